@@ -1,0 +1,139 @@
+"""Typed run configuration: defaults < TOML file < CLI overrides. Prints itself as TOML.
+
+Config files are parsed as data (tomllib); nothing in them is ever evaluated.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from paratrain.errors import UserError
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "model", "tp", "tp-sp", "pp",
+              "cp-ring", "cp-ulysses", "auto")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+DEFAULT_CONFIG = "tiny-cpu.toml"
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # what to train
+    model: str = "tiny"
+    data: str = "synthetic"
+    seq_len: int = Field(64, ge=2)
+    global_batch: int = Field(16, ge=1)
+    micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
+    steps: int = Field(200, ge=1)
+    seed: int = Field(0, ge=0)
+
+    # where and how
+    strategy: str = "ddp"
+    nproc: int = Field(2, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    ac: Literal["none", "selective", "full"] = "none"
+    compile: bool = False
+    timeout_s: float = Field(60.0, gt=0)
+    max_restarts: int = Field(0, ge=0)
+
+    # degrees: None means "derived from the strategy"
+    dp_replicate: int | None = Field(None, ge=1)
+    dp_shard: int | None = Field(None, ge=1)
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    cp: int | None = Field(None, ge=1)
+
+    # strategy options
+    sp: bool = False
+    cp_impl: Literal["ring", "ulysses"] = "ring"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    microbatches: int | None = Field(None, ge=1)
+    virtual_stages: int = Field(1, ge=1)
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    local_sgd_period: int = Field(0, ge=0)
+    cpu_offload: bool = False
+
+    # optimisation
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(5, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)
+
+    # checkpoints and output
+    ckpt_dir: str | None = None
+    ckpt_every: int = Field(0, ge=0)
+    keep_ckpts: int = Field(3, ge=1)
+    resume: str = "auto"
+    out: str | None = None
+    log_every: int = Field(1, ge=1)
+    metrics: bool = True
+
+    def to_toml(self) -> str:
+        lines = ["# paratrain train config (paratrain train --config FILE)"]
+        for key, value in self.model_dump().items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            elif isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, int | float):
+                lines.append(f"{key} = {value!r}")
+            else:
+                escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+                lines.append(f'{key} = "{escaped}"')
+        return "\n".join(lines) + "\n"
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key {where!r}"
+    return f"invalid value for {where!r}: {first['msg']}"
+
+
+def read_toml(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def default_config_text() -> str:
+    return resources.files("paratrain").joinpath("configs", DEFAULT_CONFIG).read_text()
+
+
+def load_config(path: str | None, overrides: dict) -> TrainConfig:
+    """Defaults, then the TOML file (or the embedded default), then CLI overrides that were given."""
+    base = read_toml(path) if path else tomllib.loads(default_config_text())
+    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        cfg = TrainConfig(**merged)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc)) from None
+    check_names(cfg)
+    return cfg
+
+
+def check_names(cfg: TrainConfig) -> None:
+    from paratrain.models.presets import get_preset
+
+    if cfg.strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy {cfg.strategy!r}; known strategies: {', '.join(STRATEGIES)}")
+    get_preset(cfg.model)
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UserError(f"--resume path not found: {cfg.resume}")

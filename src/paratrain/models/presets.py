@@ -1,0 +1,56 @@
+"""Named model shapes, and the parameter / FLOP counts every part of paratrain shares.
+
+FLOPs convention (used by plan, train, bench and doctor alike): training FLOPs per token are
+    6 * N  +  12 * n_layers * dim * seq_len
+where N counts every parameter except the input embedding table (the output head is a real matmul,
+the embedding is a lookup) and the second term is attention's QK^T and AV, forward + backward, without
+discounting the causal mask (the PaLM / nanoGPT convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.errors import UserError
+from paratrain.models.llama import ModelArgs, Transformer
+
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(name="tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
+                      max_seq_len=1024),
+    "small": ModelArgs(name="small", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                       max_seq_len=2048),
+    "gpt2-124m": ModelArgs(name="gpt2-124m", vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                           max_seq_len=1024),
+    "llama3-8b": ModelArgs(name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                           ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+    "llama2-70b": ModelArgs(name="llama2-70b", vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                            ffn_dim=28672, max_seq_len=4096),
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
+    """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning)."""
+    with torch.device(device):
+        model = Transformer(args)
+    if str(device) != "meta" and seed is not None:
+        model.init_weights(seed)
+    return model
+
+
+def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    d, h = args.dim, args.head_dim
+    attn = d * args.n_heads * h * 2 + d * args.kv_heads * h * 2
+    mlp = 3 * d * args.ffn_dim
+    per_layer = attn + mlp + 2 * d
+    total = args.n_layers * per_layer + d + args.vocab_size * d
+    return total + (args.vocab_size * d if include_embedding else 0)
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    return 6.0 * count_params(args, include_embedding=False) + 12.0 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,237 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP).
+
+Layout: CKPT_DIR/step-N/ holds DCP's shards and `.metadata`, one `rng-rank-R.json` per rank, and
+`manifest.json`, written last by rank 0. A save goes to `step-N.partial/` and is renamed only after the
+manifest exists, so a crash mid-save never leaves something that looks complete. Nothing here unpickles:
+non-tensor state is JSON, and DCP only reads tensors back into tensors we allocated.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from paratrain.errors import UserError
+
+log = logging.getLogger("paratrain")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def model_fingerprint(model_args: dict) -> str:
+    return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()))
+    if "cuda" in state and torch.cuda.is_available():
+        raw = np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()
+        torch.cuda.set_rng_state(torch.from_numpy(raw))
+
+
+class CheckpointState:
+    """What a checkpoint holds: model parts and their optimizers (DCP), plus JSON-able extras."""
+
+    def __init__(self, model_parts: list, optimizers: list):
+        self.model_parts, self.optimizers = model_parts, optimizers
+
+    def tensors(self) -> dict:
+        opts = StateDictOptions()
+        model_sd, optim_sd = {}, {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            model_sd.update(get_model_state_dict(part, options=opts))
+            if opt is not None:
+                optim_sd.update(get_optimizer_state_dict(part, opt, options=opts))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_tensors(self, sd: dict) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+            if opt is not None:
+                set_optimizer_state_dict(part, opt, sd["optim"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """True only if every rank says ok (so no rank goes on while another failed)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, meta: dict, keep: int) -> Path:
+    """Save step N collectively. On failure the previous checkpoints are untouched and UserError is raised."""
+    root = Path(ckpt_dir)
+    final, partial = root / f"step-{step}", root / f"step-{step}.partial"
+    rank = _rank()
+    error = None
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir()
+    except OSError as exc:
+        error = exc
+    _all_ok(error is None) or _raise_save(root, error)
+    try:
+        dcp.save(state.tensors(), checkpoint_id=str(partial))
+        (partial / f"rng-rank-{rank}.json").write_text(json.dumps(_rng_state()))
+    except Exception as exc:  # noqa: BLE001 - disk full, permissions, backend errors: all mean "not saved"
+        error = exc
+    if not _all_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _raise_save(root, error)
+    try:
+        if rank == 0:
+            manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), **meta, "extra": extra,
+                        "files": _file_sizes(partial)}
+            tmp = partial / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, partial / MANIFEST)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+    except OSError as exc:
+        error = exc
+    if not _all_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _raise_save(root, error)
+    if rank == 0:
+        prune(root, keep)
+    _barrier()
+    return final
+
+
+def _raise_save(root: Path, error: BaseException | None) -> None:
+    last = latest_complete(root, warn=False)
+    kept = f"; the previous checkpoint {last} is intact" if last else ""
+    reason = f": {error}" if error else " on another rank"
+    raise UserError(f"checkpoint save failed{reason}{kept}")
+
+
+def prune(root: Path, keep: int) -> None:
+    complete = [p for p, _ in _step_dirs(root) if check_complete(p) is None]
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_dirs(root: Path) -> list[tuple[Path, int]]:
+    if not root.is_dir():
+        return []
+    found = [(p, int(m.group(1))) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, key=lambda item: item[1])
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path} has no {MANIFEST} (incomplete save)") from None
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise UserError(f"checkpoint {path} has an unreadable {MANIFEST}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int) or "files" not in manifest:
+        raise UserError(f"checkpoint {path} has a malformed {MANIFEST}")
+    return manifest
+
+
+def check_complete(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint, else why not."""
+    if not (path / ".metadata").is_file():
+        return "missing .metadata"
+    try:
+        manifest = read_manifest(path)
+    except UserError as exc:
+        return str(exc).split(": ", 1)[-1] if ": " in str(exc) else str(exc)
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name}"
+        if f.stat().st_size != size:
+            return f"file {name} is {f.stat().st_size} bytes, expected {size}"
+    return None
+
+
+def latest_complete(root: str | Path, warn: bool = True) -> Path | None:
+    """Newest complete checkpoint under root; broken newer ones are named in a warning and skipped."""
+    for path, _ in reversed(_step_dirs(Path(root))):
+        problem = check_complete(path)
+        if problem is None:
+            return path
+        if warn:
+            log.warning("skipping broken checkpoint %s: %s", path, problem)
+    return None
+
+
+def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_complete(ckpt_dir) if ckpt_dir else None
+    path = Path(resume)
+    problem = check_complete(path)
+    if problem:
+        raise UserError(f"cannot resume from {path}: {problem}")
+    return path
+
+
+def load(path: Path, state: CheckpointState, fingerprint: str) -> dict:
+    """Load into the live (already parallelized) state; DCP reshards if the layout changed."""
+    manifest = read_manifest(path)
+    if manifest.get("model_fingerprint") != fingerprint:
+        raise UserError(f"checkpoint {path} was saved for a different model config "
+                        f"(fingerprint {manifest.get('model_fingerprint')} != {fingerprint})")
+    sd = state.tensors()
+    dcp.load(sd, checkpoint_id=str(path))
+    state.load_tensors(sd)
+    rng_file = path / f"rng-rank-{_rank()}.json"
+    if rng_file.is_file():
+        try:
+            _restore_rng(json.loads(rng_file.read_text()))
+        except (ValueError, KeyError):
+            log.warning("RNG state in %s is unreadable; continuing with the current RNG", rng_file)
+    return manifest

@@ -1,0 +1,227 @@
+"""Training data: a synthetic Markov chain with a known entropy floor, token .bin files, raw text bytes.
+
+Every sample is a pure function of (seed, global sample index). The batch for step t is the samples
+[t*G, (t+1)*G); a data-parallel rank takes a contiguous slice of it. So the global batch order does not
+depend on the world size, which is what parity with a single-device run rests on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paratrain.errors import UserError
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a counter-based hash, so any sample can be drawn without its neighbours."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) & _MASK64
+
+
+def uniform_hash(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        key = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed * 1000003 + stream)
+    return (_mix(_mix(key)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+@dataclass
+class Batch:
+    """A micro-batch: inputs and next-token targets, both (batch, seq) int64."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(self.inputs.to(device, non_blocking=non_blocking),
+                     self.targets.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.inputs.pin_memory(), self.targets.pin_memory())
+
+
+class SyntheticMarkov:
+    """Sequences from a seeded Markov chain whose transition matrix is a mixture of K random permutations.
+
+    A mixture of permutation matrices is doubly stochastic, so the stationary distribution is uniform and
+    the entropy rate (the best achievable next-token loss, in nats) is exactly the mean row entropy.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, branches: int = 4):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        rng = np.random.default_rng(seed + 7919)
+        self.successors = np.stack([rng.permutation(vocab_size) for _ in range(branches)])  # (K, V)
+        weights = 0.5 ** np.arange(branches, dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self.cdf = np.cumsum(self.weights)
+        self.cdf[-1] = 1.0
+
+    def entropy_floor(self) -> float:
+        total = 0.0
+        for row in range(self.vocab_size):
+            probs: dict[int, float] = {}
+            for k in range(len(self.weights)):
+                nxt = int(self.successors[k, row])
+                probs[nxt] = probs.get(nxt, 0.0) + float(self.weights[k])
+            total -= sum(p * math.log(p) for p in probs.values())
+        return total / self.vocab_size
+
+    def samples(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len + 1) tokens."""
+        n = len(indices)
+        out = np.empty((n, self.seq_len + 1), dtype=np.int64)
+        out[:, 0] = (uniform_hash(self.seed, indices, 0) * self.vocab_size).astype(np.int64)
+        for t in range(1, self.seq_len + 1):
+            branch = np.searchsorted(self.cdf, uniform_hash(self.seed, indices, t), side="right")
+            out[:, t] = self.successors[np.minimum(branch, len(self.cdf) - 1), out[:, t - 1]]
+        return out
+
+
+class TokenFile:
+    """Windows of a flat token array: nanoGPT-style .bin (uint16, or uint32 for vocabularies > 65536),
+    or the raw bytes of any other file (tokens 0..255)."""
+
+    def __init__(self, path: str, vocab_size: int, seq_len: int, seed: int = 0):
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"data file not found: {path}")
+        if p.suffix == ".bin":
+            dtype = np.uint32 if vocab_size > 65536 else np.uint16
+            if p.stat().st_size % np.dtype(dtype).itemsize:
+                raise UserError(f"data file {path} is not a whole number of {np.dtype(dtype).name} tokens")
+        else:
+            dtype = np.uint8
+            if vocab_size < 256:
+                raise UserError(f"text data needs a vocabulary of at least 256 byte tokens; model has {vocab_size}")
+        try:
+            self.tokens = np.memmap(p, dtype=dtype, mode="r")
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read data file {path}: {exc}") from None
+        if len(self.tokens) < seq_len + 2:
+            raise UserError(f"data file {path} has {len(self.tokens)} tokens; need more than seq_len+1={seq_len + 1}")
+        self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
+        self.path = str(p)
+
+    def entropy_floor(self) -> float | None:
+        return None
+
+    def samples(self, indices: np.ndarray) -> np.ndarray:
+        span = len(self.tokens) - self.seq_len - 1
+        starts = (uniform_hash(self.seed, indices, 1 << 20) * span).astype(np.int64)
+        out = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        if out.max(initial=0) >= self.vocab_size:
+            raise UserError(f"data file {self.path} holds token id {out.max()} >= vocab size {self.vocab_size}")
+        return out
+
+
+def make_dataset(spec: str, vocab_size: int, seq_len: int, seed: int):
+    if spec == "synthetic":
+        return SyntheticMarkov(vocab_size, seq_len, seed)
+    return TokenFile(spec, vocab_size, seq_len, seed)
+
+
+class BatchSource:
+    """Yields this rank's micro-batches for each optimizer step.
+
+    global_batch samples per step are cut into `dp` contiguous rank slices, then each slice into
+    micro-batches of `micro_batch`. Position (step) is the only state, so resuming is exact.
+    """
+
+    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int):
+        if global_batch % dp_size:
+            raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {dp_size}")
+        self.local = global_batch // dp_size
+        if self.local % micro_batch:
+            raise UserError(f"per-rank batch {self.local} is not divisible by micro-batch {micro_batch}")
+        self.dataset, self.global_batch = dataset, global_batch
+        self.dp_rank, self.micro_batch = dp_rank, micro_batch
+        self.step = 0
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.local // self.micro_batch
+
+    def rank_batch(self, step: int) -> Batch:
+        first = step * self.global_batch + self.dp_rank * self.local
+        tokens = torch.from_numpy(self.dataset.samples(np.arange(first, first + self.local, dtype=np.int64)))
+        return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def next_step(self) -> list[Batch]:
+        """Micro-batches for the next optimizer step, and advance the position."""
+        batch = self.rank_batch(self.step)
+        self.step += 1
+        return [Batch(i, t) for i, t in zip(batch.inputs.split(self.micro_batch), batch.targets.split(self.micro_batch))]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class Prefetcher:
+    """Builds upcoming steps' micro-batches on a background thread so the step never waits on data.
+
+    Resumable: `position` counts the steps handed out, not the ones built ahead.
+    """
+
+    def __init__(self, source: BatchSource, depth: int = 2, pin: bool = False, delay_s: float = 0.0):
+        import queue
+        import threading
+
+        self.source, self.pin, self.delay_s = source, pin, delay_s
+        self.position = source.step
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._fill, args=(source.step,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, step: int) -> None:
+        import time
+
+        while not self.stop.is_set():
+            try:
+                if self.delay_s:
+                    time.sleep(self.delay_s)  # test-only: an injected slow loader (see doctor tests)
+                batch = self.source.rank_batch(step)
+                micro = [Batch(i, t) for i, t in zip(batch.inputs.split(self.source.micro_batch),
+                                                      batch.targets.split(self.source.micro_batch))]
+                if self.pin:
+                    micro = [m.pin_memory() for m in micro]
+                item = (step, micro, None)
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+                item = (step, None, exc)
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except Exception:  # noqa: BLE001 - queue.Full: retry until stopped
+                    continue
+            if item[2] is not None:
+                return
+            step += 1
+
+    def next_step(self) -> tuple[list[Batch], float]:
+        """This step's micro-batches and how long we waited for them (seconds)."""
+        import time
+
+        t0 = time.perf_counter()
+        step, micro, exc = self.queue.get()
+        waited = time.perf_counter() - t0
+        if exc is not None:
+            raise exc
+        assert step == self.position
+        self.position += 1
+        self.source.step = self.position
+        return micro, waited
+
+    def close(self) -> None:
+        self.stop.set()

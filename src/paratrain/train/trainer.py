@@ -1,0 +1,227 @@
+"""The training loop, visible in one place: build -> parallelize -> for each step: data, fwd/bwd, clip, step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import TrainConfig
+from paratrain.models.presets import build_model, flops_per_token, get_preset
+from paratrain.parallel.dims import ParallelDims, describe, resolve_dims
+from paratrain.parallel.options import ParallelOptions
+from paratrain.parallel.parallelize import parallelize
+from paratrain.plan.hardware import device_peak_tflops
+from paratrain.train import checkpoint as ckpt
+from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
+from paratrain.train.optim import build_optimizer, lr_at, set_lr
+from paratrain.train.runtime import Runtime
+from paratrain.train.step import PlainStep, clip_grad_norm
+
+log = logging.getLogger("paratrain")
+
+
+def model_args_for(cfg: TrainConfig):
+    args = get_preset(cfg.model)
+    if cfg.seq_len > args.max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=cfg.seq_len)
+    return args
+
+
+def dims_for(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    given = {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "cp": cfg.cp, "tp": cfg.tp}
+    return resolve_dims(cfg.strategy, world_size, given)
+
+
+def micro_batch_for(cfg: TrainConfig, dims: ParallelDims) -> int:
+    return cfg.micro_batch or max(1, cfg.global_batch // dims.dp)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
+                 dims: ParallelDims | None = None):
+        self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
+        self.dims = dims or dims_for(cfg, runtime.world_size)
+        self.distributed = self.dims.world_size > 1
+        self.args = model_args_for(cfg)
+        self.options = ParallelOptions.from_config(cfg, runtime.device_type)
+        self.dims.check_model(self.args, cfg.seq_len, cfg.virtual_stages)
+        if self.distributed:
+            self.dims.build_mesh(runtime.device_type)
+
+        model = build_model(self.args, "cpu", seed=cfg.seed).to(runtime.device)
+        self.scaler = torch.amp.GradScaler(runtime.device_type) if cfg.dtype == "fp16" else None
+        self.step_runner = self._build_step_runner(model)
+        self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
+        self.optimizers = self._build_optimizers()
+
+        dataset = make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed)
+        self.floor = dataset.entropy_floor()
+        coords = self.dims.coords(runtime.rank if self.distributed else 0)
+        dp_rank = coords["dp_replicate"] * self.dims.dp_shard + coords["dp_shard"]
+        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.dims.dp, micro_batch_for(cfg, self.dims))
+        self.step = 0
+        self.tokens_per_step = cfg.global_batch * cfg.seq_len
+        self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step
+        self.peak_tflops = device_peak_tflops(runtime.device_type, "fp32" if cfg.dtype == "fp32" else "bf16")
+        self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
+        self.fingerprint = ckpt.model_fingerprint(self.args.to_dict())
+        self.last_checkpoint: Path | None = None
+
+    # -- assembly -----------------------------------------------------------------------------------------
+    def _build_step_runner(self, model):
+        use_autocast = self.cfg.dtype != "fp32"
+        if self.dims.pp_enabled:
+            from paratrain.parallel.pipeline import build_pipeline_step
+
+            return build_pipeline_step(model, self.dims, self.options, self.rt.device, self.cfg, self.scaler)
+        prepare = None
+        if self.dims.cp_enabled:
+            from paratrain.parallel.context_parallel import sequence_sharder
+
+            prepare = sequence_sharder(self.dims)
+        if self.distributed:
+            model = parallelize(model, self.dims, self.options)
+        return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare)
+
+    def _build_optimizers(self) -> list:
+        cfg = self.cfg
+        make = getattr(self.step_runner, "build_optimizers", None)
+        if make is not None:
+            return make(cfg)
+        if self.options.zero_stage == 1 and self.distributed:
+            from paratrain.parallel.data_parallel import build_zero1_optimizer
+
+            return [build_zero1_optimizer(self.params, cfg, self.dims, self.rt.device_type)]
+        return [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.rt.device_type)]
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def ckpt_dir(self) -> str | None:
+        if self.cfg.ckpt_dir:
+            return self.cfg.ckpt_dir
+        return str(self.run_dir / "checkpoints") if (self.run_dir and self.cfg.ckpt_every) else None
+
+    def maybe_resume(self) -> None:
+        path = ckpt.resolve_resume(self.cfg.resume, self.ckpt_dir())
+        if path is None:
+            return
+        manifest = ckpt.load(path, self.state, self.fingerprint)
+        self.step = manifest["step"]
+        self.source.load_state_dict(manifest["extra"]["data"])
+        if self.scaler and "scaler" in manifest["extra"]:
+            self.scaler.load_state_dict(manifest["extra"]["scaler"])
+        if self.rt.is_main and not self.quiet:
+            log.info("resumed from %s (step %d)", path, self.step)
+
+    def save_checkpoint(self) -> Path:
+        extra = {"data": self.source.state_dict()}
+        if self.scaler:
+            extra["scaler"] = self.scaler.state_dict()
+        meta = {"model_fingerprint": self.fingerprint, "model": self.args.to_dict(), "world_size": self.dims.world_size,
+                "dims": self.dims.degrees(), "strategy": self.cfg.strategy}
+        self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
+        return self.last_checkpoint
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def global_loss(self, local: torch.Tensor) -> float:
+        reducer = getattr(self.step_runner, "reduce_loss", None)
+        if reducer is not None:
+            return reducer(local)
+        if self.distributed:
+            group = self.dims.submesh("dp_cp")
+            if group is not None:
+                local = local.clone()
+                dist.all_reduce(local, group=group.get_group())
+                local /= group.size()
+        return float(local.item())
+
+    def optimizer_step(self) -> tuple[float, float]:
+        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
+        for opt in self.optimizers:
+            set_lr(opt, lr)
+            if self.scaler:
+                self.scaler.unscale_(opt)
+        pp_group = self.dims.submesh("pp").get_group() if self.dims.pp_enabled else None
+        norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
+        for opt in self.optimizers:
+            if self.scaler:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+        if self.scaler:
+            self.scaler.update()
+        return lr, float(norm)
+
+    def train_step(self, micro_batches) -> dict:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
+        lr, norm = self.optimizer_step()
+        self.step += 1
+        return {"loss": self.global_loss(local), "lr": lr, "grad_norm": norm}
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def fit(self, on_step=None) -> dict:
+        cfg = self.cfg
+        self.maybe_resume()
+        main = self.rt.is_main
+        steplog = StepLog(self.run_dir, cfg.steps, self.floor, enabled=cfg.metrics, quiet=self.quiet or not main) \
+            if main else None
+        if main and not self.quiet:
+            floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
+            log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.args.name,
+                     f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
+                     cfg.strategy, describe(self.dims), self.dims.world_size, self.rt.device_type, floor)
+        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda")
+        history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
+        measured_steps = 0
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                micro, waited = prefetch.next_step()
+                out = self.train_step(micro)
+                if self.rt.device_type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                loss = out["loss"]
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {self.step}")
+                tokens_per_s = self.tokens_per_step / dt
+                mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.dims.world_size)
+                       if self.peak_tflops else None)
+                if self.step > 1 or cfg.steps == 1:
+                    total_time += dt
+                    measured_steps += 1
+                record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+                          "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                          "mem_peak_gib": self.memory_gib()}
+                history.append(record)
+                if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
+                    steplog.log(record)
+                if on_step is not None:
+                    on_step(self, record)
+                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
+                    self.save_checkpoint()
+        finally:
+            prefetch.close()
+            if steplog:
+                steplog.close()
+        avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else tokens_per_s
+        avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.dims.world_size)
+                   if (self.peak_tflops and total_time) else None)
+        return {"steps": self.step, "final_loss": loss, "loss_floor": self.floor, "tokens_per_s": avg_tps,
+                "mfu": avg_mfu, "peak_mem_gib": self.memory_gib(),
+                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
+                "dims": self.dims.degrees(), "world_size": self.dims.world_size,
+                "losses": [r["loss"] for r in history]}
+
+    def memory_gib(self) -> float:
+        gpu = peak_memory_gib(self.rt.device)
+        return gpu if gpu is not None else current_rss_gib()
