@@ -36,7 +36,7 @@ def test_global_batch_split_over_ranks_equals_single_device_batch(dp):
     ds = SyntheticMarkov(vocab_size=64, seq_len=8, seed=0)
     single = BatchSource(ds, global_batch=8, dp_rank=0, dp_size=1, micro_batch=8)
     ranks = [BatchSource(ds, 8, r, dp, micro_batch=2) for r in range(dp)]
-    for step in range(3):
+    for _ in range(3):
         ref = single.next_step()[0]
         pieces = [torch.cat([mb.inputs for mb in src.next_step()]) for src in ranks]
         assert torch.equal(torch.cat(pieces), ref.inputs)
