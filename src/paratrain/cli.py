@@ -37,7 +37,7 @@ def _opt(default, *names, help: str):  # noqa: A002 - mirrors typer's keyword
 
 TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("config", Optional[Path], _opt(None, "--config", help="TOML run config (default: the embedded tiny-cpu)")),
-    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, small, gpt2-124m, llama3-8b, llama2-70b")),
+    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-124m, llama3-8b, llama2-70b")),
     ("strategy", Optional[str], _opt(None, "--strategy", help="single, ddp, zero1, zero2, zero3, fsdp, hsdp, model, "
                                                                 "tp, tp-sp, pp, cp-ring, cp-ulysses, auto")),
     ("nproc", Optional[int], _opt(None, "--nproc", help="processes (devices) on this machine")),
@@ -49,6 +49,9 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("dtype", Optional[str], _opt(None, "--dtype", help="fp32 | bf16 | fp16")),
     ("ac", Optional[str], _opt(None, "--ac", help="activation checkpointing: none | selective | full")),
     ("compile", Optional[bool], _opt(None, "--compile/--no-compile", help="torch.compile each block")),
+    ("memory_snapshot", Optional[bool], _opt(None, "--memory-snapshot/--no-memory-snapshot",
+                                             help="CUDA: record memory history; dump a snapshot for "
+                                                  "pytorch.org/memory_viz into the run directory")),
     ("dp_replicate", Optional[int], _opt(None, "--dp-replicate", help="data-parallel replicas")),
     ("dp_shard", Optional[int], _opt(None, "--dp-shard", help="data-parallel shards (FSDP / ZeRO)")),
     ("tp", Optional[int], _opt(None, "--tp", help="tensor-parallel degree")),
@@ -127,7 +130,10 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         cfg = resolve_auto_strategy(cfg)
     world = world_size_for(cfg)
     validate_run(cfg, world)
-    run_dir = Path(cfg.out) if cfg.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}"
+    from paratrain.train.launch import launched_run_name
+
+    name = launched_run_name(cfg.strategy) or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}"
+    run_dir = Path(cfg.out) if cfg.out else Path("runs") / name
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +147,9 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    summary = results.get(0)
+    if 0 not in results:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    summary = results[0]
     if summary is None:
         raise CheckFailed("rank 0 returned no summary")
     floor = summary.get("loss_floor")
@@ -168,7 +176,10 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
 
     world = world_size_for(cfg)
     validate_run(cfg, world)
-    result = run_workers(verify_worker, (cfg.model_dump(), None), world, 0, cfg.timeout_s).get(0)
+    results = run_workers(verify_worker, (cfg.model_dump(), None), world, 0, cfg.timeout_s)
+    if 0 not in results:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    result = results[0]
     if result is None:
         raise CheckFailed("rank 0 returned no verify result")
     verdict = "PASSED" if result["passed"] else "FAILED"
@@ -193,6 +204,169 @@ def env(as_json: bool = typer.Option(False, "--json", help="print JSON on stdout
     else:
         for key, value in report.items():
             sys.stderr.write(f"{key:>18}: {value}\n")
+
+
+# -- doctor --------------------------------------------------------------------------------------------------------
+@app.command()
+@with_train_options
+def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after the warm-up)"),
+           warmup: int = typer.Option(2, "--warmup", help="unmeasured steps first (setup, caches)"),
+           trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (opens in Perfetto)"),
+           mem_budget_gib: Optional[float] = typer.Option(None, "--mem-budget-gib",
+                                                          help="memory per device to judge against (GiB)"),
+           as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
+           train_opts: dict = None):
+    """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
+    setup_cli_logging()
+    cfg = resolve_config(train_opts)
+    if cfg.strategy == "auto":
+        from paratrain.plan.auto import resolve_auto_strategy
+
+        cfg = resolve_auto_strategy(cfg)
+    from paratrain.doctor.report import format_report
+    from paratrain.doctor.run import run_doctor
+
+    report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib)
+    if report is None:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    sys.stderr.write(format_report(report))
+    if as_json:
+        emit_json(report)
+
+
+# -- bench ---------------------------------------------------------------------------------------------------------
+@app.command()
+def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help="comma-separated strategies"),
+          nproc: str = typer.Option("1,2,4", "--nproc", help="comma-separated world sizes"),
+          steps: int = typer.Option(10, "--steps", help="measured steps per run"),
+          warmup: int = typer.Option(3, "--warmup", help="unmeasured steps first (>= 2)"),
+          scaling: str = typer.Option("weak", "--scaling", help="weak (batch per device fixed) | strong"),
+          plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
+          as_json: bool = typer.Option(False, "--json", help="print the JSON result on stdout"),
+          config: Optional[Path] = typer.Option(None, "--config", help="TOML run config for everything else"),
+          model: Optional[str] = typer.Option(None, "--model", help="model preset"),
+          seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence"),
+          micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
+                                                    help="sequences per device (weak scaling)"),
+          global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step (strong)"),
+          dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16"),
+          device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda"),
+          timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="collective timeout in seconds")):
+    """Measure scaling 1 -> 2 -> 4 for several strategies: table, JSON and plots."""
+    setup_cli_logging()
+    from paratrain.bench.scaling import markdown_table, parse_list, run_bench
+
+    cfg = resolve_config({"config": config, "model": model, "seq_len": seq_len, "micro_batch": micro_batch,
+                          "global_batch": global_batch, "dtype": dtype, "device": device, "timeout_s": timeout_s})
+    doc = run_bench(cfg, parse_list(strategies, "strategies"), parse_list(nproc, "nproc", int), steps, warmup,
+                    scaling)
+    if plot is not None:
+        from paratrain.bench.plot import plot_bench
+
+        doc["plot"] = str(plot_bench(doc, plot))
+    sys.stderr.write(markdown_table(doc))
+    if doc["plot"]:
+        sys.stderr.write(f"plot: {doc['plot']}\n")
+    if as_json:
+        emit_json(doc)
+
+
+# -- plan ----------------------------------------------------------------------------------------------------------
+@app.command()
+def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset (see train --help)"),
+         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="a Hugging Face config.json (gpt2, llama)"),
+         gpu: Optional[str] = typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
+                                                               "rtx4090, l4, l40s, cpu"),
+         gpus: Optional[int] = typer.Option(None, "--gpus", help="total GPUs (devices)"),
+         nodes: Optional[int] = typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))"),
+         seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
+         global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step (default 16)"),
+         dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
+         top: int = typer.Option(10, "--top", help="candidates to list"),
+         strategy: Optional[str] = typer.Option(None, "--strategy", help="fix the strategy family (e.g. zero3)"),
+         dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="fix: data-parallel replicas"),
+         dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="fix: data-parallel shards"),
+         tp: Optional[int] = typer.Option(None, "--tp", help="fix: tensor-parallel degree"),
+         pp: Optional[int] = typer.Option(None, "--pp", help="fix: pipeline degree"),
+         cp: Optional[int] = typer.Option(None, "--cp", help="fix: context-parallel degree"),
+         micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="fix: sequences per forward per GPU"),
+         ac: Optional[str] = typer.Option(None, "--ac", help="fix: none | selective | full"),
+         sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="fix: sequence parallel with tp"),
+         cp_impl: Optional[str] = typer.Option(None, "--cp-impl", help="fix: ring | ulysses"),
+         pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="fix: gpipe | 1f1b | "
+                                                                              "interleaved-1f1b | zero-bubble"),
+         virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="fix: stages per pipeline rank"),
+         hardware: Optional[Path] = typer.Option(None, "--hardware", help="hardware profile JSON (from --calibrate)"),
+         calibrate: bool = typer.Option(False, "--calibrate", help="measure this machine; save to --hardware FILE "
+                                                                   "(default ~/.cache/paratrain/hardware-profile.json)"),
+         nproc: int = typer.Option(2, "--nproc", help="processes for --calibrate"),
+         peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="custom GPU: dense TFLOP/s"),
+         mem_gib: Optional[float] = typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB"),
+         intra_node_gbs: Optional[float] = typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way"),
+         inter_node_gbs: Optional[float] = typer.Option(None, "--inter-node-gbs", help="GB/s per GPU, one way"),
+         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout")):
+    """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
+    setup_cli_logging()
+    from paratrain.plan.command import build_job, calibrate_and_save, format_plan
+
+    opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top")}
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
+    if calibrate:
+        profile, path = calibrate_and_save(opts)
+        log.info("calibrated: %s; saved %s", "; ".join(profile.notes[:3]) or profile.source, path)
+        opts["hardware"], opts["gpu"] = path, None
+        if not (model or hf_config):
+            if as_json:
+                emit_json({"hardware_profile": path, **profile.to_dict()})
+            return
+    if gpus is None:
+        raise UserError("--gpus N is required")
+    from paratrain.plan.planner import plan_document
+
+    job, hw, fixed = build_job(opts)
+    doc = plan_document(job, hw, fixed, top=top)
+    sys.stderr.write(format_plan(doc))
+    if as_json:
+        emit_json(doc)
+
+
+# -- launch --------------------------------------------------------------------------------------------------------
+@app.command()
+@with_train_options
+def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
+           nodes: int = typer.Option(1, "--nodes", help="machines"),
+           gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (ranks) per machine"),
+           output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the job here, not to stdout"),
+           job_name: Optional[str] = typer.Option(None, "--job-name", help="default: paratrain-STRATEGY"),
+           port: int = typer.Option(29500, "--port", help="rendezvous port on the head node"),
+           image: str = typer.Option("paratrain:latest", "--image", help="k8s: container image with paratrain"),
+           k8s_api: str = typer.Option("trainjob", "--k8s-api", help="k8s: trainjob (Trainer v2) | pytorchjob (v1)"),
+           namespace: Optional[str] = typer.Option(None, "--namespace", help="k8s: namespace"),
+           partition: Optional[str] = typer.Option(None, "--partition", help="slurm: partition"),
+           account: Optional[str] = typer.Option(None, "--account", help="slurm: account"),
+           time_limit: str = typer.Option("24:00:00", "--time", help="slurm: time limit"),
+           accelerator: str = typer.Option("H100", "--accelerator", help="skypilot: GPU name"),
+           cloud: Optional[str] = typer.Option(None, "--cloud", help="skypilot: cloud"),
+           train_opts: dict = None):
+    """Write a Slurm, Kubernetes or SkyPilot job that runs this training on a cluster."""
+    from paratrain.launchers.command import LaunchOptions, render_launch
+
+    setup_cli_logging()
+    restarts = train_opts.get("max_restarts")
+    cfg = resolve_config(train_opts)
+    opts = LaunchOptions(nodes=nodes, gpus_per_node=gpus_per_node, job_name=job_name,
+                         max_restarts=3 if restarts is None else restarts, port=port, image=image, k8s_api=k8s_api,
+                         namespace=namespace, partition=partition, account=account, time_limit=time_limit,
+                         accelerator=accelerator, cloud=cloud)
+    text = render_launch(target, cfg, opts)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    log.info("wrote %s (%s, %d node(s) x %d GPU(s))", output, target, nodes, gpus_per_node)
 
 
 # -- entry point ---------------------------------------------------------------------------------------------------

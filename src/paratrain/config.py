@@ -5,11 +5,11 @@ Config files are parsed as data (tomllib); nothing in them is ever evaluated.
 
 from __future__ import annotations
 
-import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paratrain.errors import UserError
@@ -25,6 +25,11 @@ class TrainConfig(BaseModel):
 
     # what to train
     model: str = "tiny"
+    # optional overrides of the preset's shape (None: the preset's value), e.g. to try a padded vocabulary
+    vocab_size: int | None = Field(None, ge=2)
+    dim: int | None = Field(None, ge=2)
+    n_layers: int | None = Field(None, ge=1)
+    ffn_dim: int | None = Field(None, ge=1)
     data: str = "synthetic"
     seq_len: int = Field(64, ge=2)
     global_batch: int = Field(16, ge=1)
@@ -39,6 +44,7 @@ class TrainConfig(BaseModel):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     ac: Literal["none", "selective", "full"] = "none"
     compile: bool = False
+    memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle
     timeout_s: float = Field(60.0, gt=0)
     max_restarts: int = Field(0, ge=0)
 

@@ -27,6 +27,8 @@ class ModelArgs:
     max_seq_len: int = 2048
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    family: str = "llama"  # "llama" (this file) or "gpt2" (models/gpt2.py: LayerNorm, GELU, learned positions)
+    tie_embeddings: bool = False  # gpt2 only: the output head shares the token table
 
     @property
     def kv_heads(self) -> int:

@@ -17,8 +17,17 @@ from paratrain.models.llama import ModelArgs, Transformer
 PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(name="tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
                       max_seq_len=1024),
+    # tiny with 4 layers: enough stages for pp=4 or interleaved pipelines (2 ranks x 2 stages)
+    "tiny4": ModelArgs(name="tiny4", vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192,
+                       max_seq_len=1024),
+    # tiny with as many kv heads as heads: every size splits 4 ways, for tp=4 (tiny's 2 kv heads stop at tp=2)
+    "tiny-mha": ModelArgs(name="tiny-mha", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192,
+                          max_seq_len=1024),
     "small": ModelArgs(name="small", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                        max_seq_len=2048),
+    # GPT-2 family (models/gpt2.py), 2 layers: for tests and CPU runs of the LayerNorm/GELU/learned-position path
+    "gpt2-tiny": ModelArgs(name="gpt2-tiny", family="gpt2", vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=256,
+                           max_seq_len=1024),
     "gpt2-124m": ModelArgs(name="gpt2-124m", vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_dim=2048,
                            max_seq_len=1024),
     "llama3-8b": ModelArgs(name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -37,13 +46,22 @@ def get_preset(name: str) -> ModelArgs:
 def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
     """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning)."""
     with torch.device(device):
-        model = Transformer(args)
+        if args.family == "gpt2":
+            from paratrain.models.gpt2 import GPT2
+
+            model = GPT2(args)
+        else:
+            model = Transformer(args)
     if str(device) != "meta" and seed is not None:
         model.init_weights(seed)
     return model
 
 
 def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    if args.family == "gpt2":
+        from paratrain.models.gpt2 import count_gpt2_params
+
+        return count_gpt2_params(args, include_embedding)
     d, h = args.dim, args.head_dim
     attn = d * args.n_heads * h * 2 + d * args.kv_heads * h * 2
     mlp = 3 * d * args.ffn_dim

@@ -105,11 +105,7 @@ class ParallelDims:
     # -- validation against a model ----------------------------------------------------------------
     def check_model(self, args, seq_len: int, stages_per_rank: int = 1) -> None:
         """Every degree must divide the model dimension it splits; name the offender if not."""
-        if self.tp > 1:
-            for label, size in (("attention heads", args.n_heads), ("kv heads", args.kv_heads),
-                                ("ffn size", args.ffn_dim), ("vocab size", args.vocab_size)):
-                if size % self.tp:
-                    raise UserError(f"tp={self.tp} does not divide the model's {label} ({size})")
+        check_tp_divides(args, self.tp)
         if self.pp > 1 and args.n_layers < self.pp * stages_per_rank:
             raise UserError(f"pp={self.pp} x {stages_per_rank} stage(s) per rank = {self.pp * stages_per_rank} "
                             f"stages but the model has only {args.n_layers} layers")
@@ -145,6 +141,16 @@ class ParallelDims:
         if not present:
             return None
         return self.mesh[name if len(present) > 1 else present[0]]
+
+
+def check_tp_divides(args, tp: int) -> None:
+    """Tensor parallelism splits heads, kv heads, the ffn and the vocab tp ways: each must divide evenly."""
+    if tp <= 1:
+        return
+    for label, size in (("attention heads", args.n_heads), ("kv heads", args.kv_heads),
+                        ("ffn size", args.ffn_dim), ("vocab size", args.vocab_size)):
+        if size % tp:
+            raise UserError(f"tp={tp} does not divide the model's {label} ({size})")
 
 
 def resolve_dims(strategy: str, world_size: int, given: dict[str, int | None]) -> ParallelDims:

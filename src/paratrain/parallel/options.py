@@ -20,6 +20,7 @@ class ParallelOptions:
     ddp_comm_hook: str = "none"
     local_sgd_period: int = 0
     cpu_offload: bool = False
+    powersgd_start: int = 2  # plain all-reduce steps before PowerSGD compresses (torch suggests ~10% of the run)
 
     @property
     def zero_stage(self) -> int:
@@ -33,4 +34,5 @@ class ParallelOptions:
                    cp_impl="ulysses" if strategy == "cp-ulysses" else ("ring" if strategy == "cp-ring" else cfg.cp_impl),
                    pp_schedule=cfg.pp_schedule, microbatches=1 if strategy == "model" else cfg.microbatches,
                    virtual_stages=cfg.virtual_stages, ddp_comm_hook=cfg.ddp_comm_hook,
-                   local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload)
+                   local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload,
+                   powersgd_start=max(2, cfg.warmup_steps, cfg.steps // 10))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.errors import UserError
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.options import ParallelOptions
 
@@ -19,18 +18,26 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     options = options or ParallelOptions(strategy="ddp" if dims.dp > 1 else "single")
 
     if dims.tp_enabled:
-        raise UserError("tensor parallelism is not available in this build yet")
+        from paratrain.parallel.tensor_parallel import apply_tp, check_tp_layout
+
+        check_tp_layout(dims)
+        model = apply_tp(model, dims.submesh("tp"), sp=options.sp, plan=tp_plan)
     if dims.cp_enabled:
-        raise UserError("context parallelism is not available in this build yet")
+        from paratrain.parallel.context_parallel import apply_cp
+
+        model = apply_cp(model, dims.submesh("cp"), impl=options.cp_impl)
     if options.ac != "none":
-        raise UserError("activation checkpointing is not available in this build yet")
+        from paratrain.parallel.activation_checkpoint import apply_ac
+
+        model = apply_ac(model, options.ac)
     if options.compile:
-        raise UserError("--compile is not available in this build yet")
+        from paratrain.parallel.compile import apply_compile
 
-    if dims.dp_shard > 1:
-        raise UserError(f"strategy {options.strategy!r} (sharded data parallel) is not available in this build yet")
-    if dims.dp_replicate > 1:
-        from paratrain.parallel.data_parallel import apply_ddp
+        # ring attention's P2P sends cannot be traced: let dynamo compile around them (a graph break)
+        model = apply_compile(model, fullgraph=not (dims.cp_enabled and options.cp_impl == "ring"))
 
-        model = apply_ddp(model, dims.submesh("dp"), options.device_type)
+    # FSDP2 (ZeRO-2/3, HSDP) when dp_shard > 1, else DDP (+ comm hook / local SGD) over dp_cp
+    from paratrain.parallel.data_parallel import apply_data_parallel
+
+    model = apply_data_parallel(model, dims, options)
     return model

@@ -16,11 +16,13 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -64,7 +66,11 @@ class CheckpointState:
         self.model_parts, self.optimizers = model_parts, optimizers
 
     def tensors(self) -> dict:
-        opts = StateDictOptions()
+        # Optimizer state flattened to per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
+        # the dicts of several model parts on one rank (pipeline stages) merge by update(), and each rank's
+        # param groups are saved under its own FQNs (a nested "param_groups" list would be one value that
+        # DCP writes once, from one rank, wrong for the pipeline ranks holding other parameters).
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
         model_sd, optim_sd = {}, {}
         for part, opt in zip(self.model_parts, self.optimizers):
             model_sd.update(get_model_state_dict(part, options=opts))
@@ -73,10 +79,29 @@ class CheckpointState:
         return {"model": model_sd, "optim": optim_sd}
 
     def load_tensors(self, sd: dict) -> None:
+        optim_sd = nest_optimizer_state(sd["optim"])
         for part, opt in zip(self.model_parts, self.optimizers):
             set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
             if opt is not None:
-                set_optimizer_state_dict(part, opt, sd["optim"])
+                set_optimizer_state_dict(part, opt, optim_sd)
+
+
+def nest_optimizer_state(flat: dict) -> dict:
+    """The flattened optimizer keys back to torch's nested layout keyed by FQN (a superset: every part's).
+
+    torch's own unflattening takes the state names from the live optimizer's `.state`, which a sharded
+    optimizer (ZeRO-1) leaves empty; the names are in the keys, so read them from there.
+    """
+    state: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if kind == "state":
+            state.setdefault(fqn, {})[name] = value
+        elif kind == "param_groups":
+            groups.setdefault(fqn, {"params": [fqn]})[name] = value
+    return {"state": state, "param_groups": list(groups.values())}
 
 
 def _rank() -> int:
@@ -119,8 +144,8 @@ def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, m
     try:
         dcp.save(state.tensors(), checkpoint_id=str(partial))
         (partial / f"rng-rank-{rank}.json").write_text(json.dumps(_rng_state()))
-    except Exception as exc:  # noqa: BLE001 - disk full, permissions, backend errors: all mean "not saved"
-        error = exc
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - disk full, permissions, ...: "not saved"
+        error = exc  # (DCP wraps a rank's write error in CheckpointException, a BaseException)
     if not _all_ok(error is None):
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -150,7 +175,7 @@ def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, m
 def _raise_save(root: Path, error: BaseException | None) -> None:
     last = latest_complete(root, warn=False)
     kept = f"; the previous checkpoint {last} is intact" if last else ""
-    reason = f": {error}" if error else " on another rank"
+    reason = f": {_first_line(error)}" if error else " on another rank"
     raise UserError(f"checkpoint save failed{reason}{kept}")
 
 
@@ -203,8 +228,13 @@ def latest_complete(root: str | Path, warn: bool = True) -> Path | None:
         if problem is None:
             return path
         if warn:
-            log.warning("skipping broken checkpoint %s: %s", path, problem)
+            _warn_skip(path, problem)
     return None
+
+
+def _warn_skip(path: Path, problem: str) -> None:
+    if _rank() == 0:
+        log.warning("skipping broken checkpoint %s: %s", path, problem)
 
 
 def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
@@ -219,14 +249,33 @@ def resolve_resume(resume: str, ckpt_dir: str | None) -> Path | None:
     return path
 
 
-def load(path: Path, state: CheckpointState, fingerprint: str) -> dict:
-    """Load into the live (already parallelized) state; DCP reshards if the layout changed."""
+class UnreadableCheckpoint(UserError):
+    """The checkpoint looked complete but DCP could not read it back (corrupt bytes, refused content)."""
+
+
+def _model_changes(saved: dict, current: dict) -> str:
+    keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k) and k != "name"]
+    return ", ".join(f"{k} {saved.get(k)} -> {current.get(k)}" for k in keys[:4]) or "fingerprint differs"
+
+
+def load(path: Path, state: CheckpointState, fingerprint: str, model: dict | None = None) -> dict:
+    """Load into the live (already parallelized) state; DCP reshards if the layout changed.
+
+    `model` (the current model args) only makes the error for a different model config name the changes.
+    """
+    from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
     manifest = read_manifest(path)
     if manifest.get("model_fingerprint") != fingerprint:
-        raise UserError(f"checkpoint {path} was saved for a different model config "
-                        f"(fingerprint {manifest.get('model_fingerprint')} != {fingerprint})")
+        changes = _model_changes(manifest.get("model") or {}, model) if model else "fingerprint differs"
+        raise UserError(f"checkpoint {path} was saved for a different model config ({changes}); "
+                        "use another --ckpt-dir or --resume never")
     sd = state.tensors()
-    dcp.load(sd, checkpoint_id=str(path))
+    try:
+        dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(path),
+                 planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any rank's read failure, on every rank
+        raise UnreadableCheckpoint(f"checkpoint {path} is unreadable: {_first_line(exc)}") from None
     state.load_tensors(sd)
     rng_file = path / f"rng-rank-{_rank()}.json"
     if rng_file.is_file():
@@ -235,3 +284,56 @@ def load(path: Path, state: CheckpointState, fingerprint: str) -> dict:
         except (ValueError, KeyError):
             log.warning("RNG state in %s is unreadable; continuing with the current RNG", rng_file)
     return manifest
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else type(exc).__name__
+
+
+def resume_from(resume: str, ckpt_dir: str | None, state: CheckpointState, fingerprint: str,
+                model: dict | None = None) -> tuple[Path, dict] | None:
+    """Load what --resume asks for; returns (path, manifest) or None for a fresh start.
+
+    With "auto", a checkpoint that looks complete but fails to load is skipped too (with a warning naming
+    it) and the next older one is tried; every rank sees the same files and DCP fails on all ranks
+    together, so they all fall back alike.
+    """
+    if resume != "auto":
+        path = resolve_resume(resume, ckpt_dir)
+        return (path, load(path, state, fingerprint, model)) if path else None
+    for path, _ in reversed(_step_dirs(Path(ckpt_dir)) if ckpt_dir else []):
+        problem = check_complete(path)
+        if problem is None:
+            try:
+                return path, load(path, state, fingerprint, model)
+            except UnreadableCheckpoint as exc:
+                problem = str(exc).split(" is unreadable: ", 1)[-1]
+        _warn_skip(path, problem)
+    return None
+
+
+def load_params(path: str | Path) -> dict[str, torch.Tensor]:
+    """Full model parameters of a checkpoint, on CPU, in one process: {fqn: tensor}.
+
+    Built for comparing runs bit for bit (the kill test, benchmarks/kill_soak.py) and for inspecting a
+    checkpoint: DCP gathers whatever layout it was saved with into plain tensors of a fresh model.
+    """
+    from paratrain.models.llama import ModelArgs
+    from paratrain.models.presets import build_model
+
+    path = Path(path)
+    problem = check_complete(path)
+    if problem:
+        raise UserError(f"cannot read checkpoint {path}: {problem}")
+    from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    model = build_model(ModelArgs(**read_manifest(path)["model"]), "cpu", seed=None)
+    sd = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        try:
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - corrupt bytes or refused content
+            raise UnreadableCheckpoint(f"checkpoint {path} is unreadable: {_first_line(exc)}") from None
+    return sd["model"]

@@ -1,7 +1,8 @@
 """Start N local worker processes through torch elastic, or run inline when already launched.
 
-Single-node runs host the rendezvous store in this process on a socket bound to 127.0.0.1, so nothing
-listens on an external interface (c10d's TCPStore has no authentication).
+Single-node runs host one TCPStore in this process on a socket bound to 127.0.0.1; the elastic agent
+rendezvouses on it and the workers build their process group on it too, so nothing listens on an external
+interface (c10d's TCPStore has no authentication, see docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 
 from paratrain.errors import CheckFailed, UserError
 from paratrain.train.runtime import in_launched_process
 
 log = logging.getLogger("paratrain")
+
+# The workers of our own single-node launcher find the loopback store here ("127.0.0.1:PORT").
+STORE_ENV = "PARATRAIN_STORE"
+FAULT_VARS = ("PARATRAIN_FAULT_KILL", "PARATRAIN_FAULT_STALL")
+PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.worker")
 
 
 def _loopback_store(timeout_s: float):
@@ -32,6 +39,85 @@ def _loopback_store(timeout_s: float):
     return store, sock, port
 
 
+def loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def worker_store(timeout_s: float):
+    """The store this worker builds its process group on, under a key prefix for this attempt; or None
+    to let torch decide (outside torch elastic, or when each attempt gets a fresh store anyway).
+
+    The prefix matters after an elastic restart: keys left by the killed attempt (gloo/NCCL addresses)
+    would otherwise be read by the new one (pytorch/pytorch#135712). One agent restarts all its workers
+    together, so TORCHELASTIC_RESTART_COUNT agrees across them; so it does across nodes with a static
+    rendezvous, where every agent sees the failure. With c10d across nodes a healthy agent restarts without
+    counting, so generated multi-node scripts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each
+    round) and this returns None.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    endpoint = os.environ.get(STORE_ENV)  # our own single-node launcher: its loopback store
+    if not endpoint and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's shared store
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if not endpoint:
+        return None
+    import torch.distributed as dist
+
+    host, port = endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"paratrain/{os.environ['TORCHELASTIC_RUN_ID']}/attempt-{attempt}", store)
+
+
+def _worker_env(port: int) -> dict[str, str | None]:
+    """What each worker's environment must hold (None: unset), whatever the forkserver inherited."""
+    env: dict[str, str | None] = {STORE_ENV: f"127.0.0.1:{port}"}
+    lo = loopback_interface()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env[var] = os.environ.get(var) or lo
+    for var in [k for k in os.environ if k.startswith("PARATRAIN_")] + list(FAULT_VARS):
+        env.setdefault(var, os.environ.get(var))
+    return env
+
+
+def _run_with_env(env: dict, entry: Callable, *args):
+    """Worker-side: apply `env`, then run the entry (a picklable stand-in for a closure)."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return entry(*args)
+
+
+def _forkserver_context():
+    """Workers fork from one server that imported torch and paratrain once: a start, and every elastic
+    restart, skips the multi-second import in each worker."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+@contextmanager
+def _launch_env():
+    """Environment for the elastic agent, restored afterwards."""
+    # otherwise the agent starts a second store on all interfaces and reuses it across restarts
+    wanted = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0, timeout_s: float = 60.0) -> dict:
     """Run entry(*args) on nproc local ranks; returns {rank: return value}.
 
@@ -45,16 +131,27 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     store, sock, port = _loopback_store(timeout_s)
+    _forkserver_context()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
                           rdzv_configs={"is_host": False, "timeout": int(max(timeout_s, 30))},
-                          max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+                          max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
+                          local_addr="127.0.0.1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    noisy = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in noisy]
+    if not os.environ.get("PARATRAIN_DEBUG"):
+        # a failure report is a full traceback per rank; we print one line from it instead
+        for logger in noisy:
+            logger.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, entry)(*args)
+        with _launch_env():
+            return elastic_launch(config, _run_with_env)(_worker_env(port), entry, *args)
     except ChildFailedError as exc:
         raise CheckFailed(_summarise_failure(exc)) from None
     finally:
+        for logger, level in zip(noisy, levels):
+            logger.setLevel(level)
         del store, sock  # the store owns the listening socket's fd from here on
 
 
@@ -64,7 +161,26 @@ def _summarise_failure(exc) -> str:
     if isinstance(message, dict):
         message = message.get("message", str(message))
     lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
-    reason = lines[-1] if lines else f"exit code {failure.exitcode}"
-    if failure.exitcode == 2 or reason.startswith("paratrain.errors.UserError"):
-        raise UserError(reason.split(": ", 1)[-1]) from None
+    reason = lines[-1] if lines else ""
+    kind, _, text = reason.partition(": ")
+    if kind.endswith("UserError"):
+        raise UserError(text) from None
+    if kind.endswith("CollectiveFailure"):
+        return text
+    if not reason or reason.startswith("http"):  # no exception recorded: torch's pointer to its docs
+        reason = f"exit code {failure.exitcode}"
     return f"rank {rank} failed: {reason}"
+
+
+def launched_run_name(strategy: str) -> str | None:
+    """Under torchrun/srun, a run-dir name every rank (and every restart) derives alike; else None.
+
+    A timestamp would differ between ranks that start a second apart, splitting one checkpoint across
+    two directories, and a restart would not find the run it should resume.
+    """
+    if not in_launched_process():
+        return None
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "none"
+    if job == "none":
+        job = os.environ.get("SLURM_JOB_ID") or "torchrun"
+    return f"{job}-{strategy}"

@@ -55,9 +55,11 @@ def in_launched_process() -> bool:
 
 def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
     """Join (or, for a lone process, create) the process group. Every group gets `timeout_s`."""
+    store = None
     if not in_launched_process():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_loopback_port()))
+        store = dist.HashStore()  # a lone process needs no socket at all
     if "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -70,8 +72,12 @@ def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
         device = torch.device("cpu")
     backend = backend_for(device_type)
     if not dist.is_initialized():
+        from paratrain.train.launch import worker_store
+
+        store = worker_store(timeout_s) if store is None else store
+        rendezvous = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device_type == "cuda" else None)
+                                device_id=device if device_type == "cuda" else None, **rendezvous)
     return Runtime(rank, world, local_rank, device, backend)
 
 

@@ -37,9 +37,10 @@ class PlainStep:
     """Forward + backward over the micro-batches of one step, for every strategy without a pipeline."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
-                 prepare_batch=None):
+                 prepare_batch=None, loss_fn=lm_loss):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
+        self.loss_fn = loss_fn  # lm_loss, or its torch.compile'd version under --compile
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
 
     @property
@@ -61,7 +62,7 @@ class PlainStep:
             with _no_grad_sync(self.model, last):
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
-                loss = lm_loss(logits, targets) / n
+                loss = self.loss_fn(logits, targets) / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         return total

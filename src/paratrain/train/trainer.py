@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -12,26 +13,40 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import TrainConfig
+from paratrain.errors import UserError
 from paratrain.models.presets import build_model, flops_per_token, get_preset
+from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.dims import ParallelDims, describe, resolve_dims
 from paratrain.parallel.options import ParallelOptions
 from paratrain.parallel.parallelize import parallelize
-from paratrain.plan.hardware import device_peak_tflops
+from paratrain.plan.hardware import catalog_name_for, device_peak_tflops
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.runtime import Runtime
-from paratrain.train.step import PlainStep, clip_grad_norm
+from paratrain.train.step import PlainStep, clip_grad_norm, lm_loss
 
 log = logging.getLogger("paratrain")
+LOADER_DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"  # test-only, see test_loader_delay_s()
 
 
 def model_args_for(cfg: TrainConfig):
     args = get_preset(cfg.model)
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
+    if shape:
+        args = dataclasses.replace(args, name=f"{args.name}-custom", **shape)
+        if args.dim % args.n_heads or args.head_dim % 2:
+            raise UserError(f"dim {args.dim} must split into {args.n_heads} heads of an even size (RoPE)")
     if cfg.seq_len > args.max_seq_len:
         args = dataclasses.replace(args, max_seq_len=cfg.seq_len)
     return args
+
+
+def test_loader_delay_s() -> float:
+    """Test-only: PARATRAIN_TEST_LOADER_DELAY_S=SECONDS makes the prefetcher sleep per batch (a slow loader)."""
+    return float(os.environ.get(LOADER_DELAY_ENV) or 0.0)
 
 
 def dims_for(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -55,6 +70,8 @@ class Trainer:
         if self.distributed:
             self.dims.build_mesh(runtime.device_type)
 
+        # before the model exists, so the snapshot shows who allocated the parameters too
+        self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
         model = build_model(self.args, "cpu", seed=cfg.seed).to(runtime.device)
         self.scaler = torch.amp.GradScaler(runtime.device_type) if cfg.dtype == "fp16" else None
         self.step_runner = self._build_step_runner(model)
@@ -73,6 +90,7 @@ class Trainer:
         self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
         self.fingerprint = ckpt.model_fingerprint(self.args.to_dict())
         self.last_checkpoint: Path | None = None
+        self.phase_timer = None  # per-phase timing hooks, set by doctor/capture.py
 
     # -- assembly -----------------------------------------------------------------------------------------
     def _build_step_runner(self, model):
@@ -86,9 +104,10 @@ class Trainer:
             from paratrain.parallel.context_parallel import sequence_sharder
 
             prepare = sequence_sharder(self.dims)
-        if self.distributed:
-            model = parallelize(model, self.dims, self.options)
-        return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare)
+        model = parallelize(model, self.dims, self.options)  # on one device too: AC and compile live there
+        # TP may hand DTensor logits to the loss: keep that one eager
+        loss_fn = compile_loss(lm_loss) if self.options.compile and not self.dims.tp_enabled else lm_loss
+        return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg
@@ -108,10 +127,10 @@ class Trainer:
         return str(self.run_dir / "checkpoints") if (self.run_dir and self.cfg.ckpt_every) else None
 
     def maybe_resume(self) -> None:
-        path = ckpt.resolve_resume(self.cfg.resume, self.ckpt_dir())
-        if path is None:
+        found = ckpt.resume_from(self.cfg.resume, self.ckpt_dir(), self.state, self.fingerprint, self.args.to_dict())
+        if found is None:
             return
-        manifest = ckpt.load(path, self.state, self.fingerprint)
+        path, manifest = found
         self.step = manifest["step"]
         self.source.load_state_dict(manifest["extra"]["data"])
         if self.scaler and "scaler" in manifest["extra"]:
@@ -156,15 +175,29 @@ class Trainer:
                 opt.step()
         if self.scaler:
             self.scaler.update()
+        for part in self.step_runner.model_parts:  # e.g. local SGD's periodic parameter averaging
+            after_step = getattr(part, "after_optimizer_step", None)
+            if after_step is not None:
+                after_step()
         return lr, float(norm)
 
     def train_step(self, micro_batches) -> dict:
+        timer = self.phase_timer  # None unless `paratrain doctor` is measuring: then it only reads clocks
+        if timer:
+            timer.begin()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
+        if timer:
+            timer.mark("forward_backward")
         lr, norm = self.optimizer_step()
+        if timer:
+            timer.mark("optimizer")
         self.step += 1
-        return {"loss": self.global_loss(local), "lr": lr, "grad_norm": norm}
+        loss = self.global_loss(local)
+        if timer:
+            timer.mark("loss_sync")
+        return {"loss": loss, "lr": lr, "grad_norm": norm}
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def fit(self, on_step=None) -> dict:
@@ -178,7 +211,7 @@ class Trainer:
             log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.args.name,
                      f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
                      cfg.strategy, describe(self.dims), self.dims.world_size, self.rt.device_type, floor)
-        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda")
+        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s())
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
         try:
@@ -208,8 +241,11 @@ class Trainer:
                     on_step(self, record)
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
                     self.save_checkpoint()
+        except torch.cuda.OutOfMemoryError:
+            raise self.out_of_memory() from None
         finally:
             prefetch.close()
+            self.mem_snapshot.finish()
             if steplog:
                 steplog.close()
         avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else tokens_per_s
@@ -221,6 +257,23 @@ class Trainer:
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.dims.degrees(), "world_size": self.dims.world_size,
                 "losses": [r["loss"] for r in history]}
+
+    def out_of_memory(self) -> UserError:
+        """Dump the allocator state, then name the snapshot and the planner's fix in one line."""
+        snapshot = self.mem_snapshot.dump("oom-snapshot")
+        gpu = catalog_name_for(torch.cuda.get_device_name(self.rt.device)) if self.rt.device_type == "cuda" else None
+        return out_of_memory_error(self.cfg, self.dims.world_size, self.source.micro_batch, self.step, self.rt.rank,
+                                   snapshot, gpu, cuda_memory_summary(self.rt.device))
+
+    def verify_extras(self) -> dict:
+        """Extra verify --json fields: per-rank model-state bytes (collective: every rank must call it)."""
+        from paratrain.parallel.model_states import gather_model_state_bytes
+
+        extras = {"model_state_bytes": gather_model_state_bytes(self.step_runner.model_parts, self.optimizers)}
+        runner_extras = getattr(self.step_runner, "verify_extras", None)  # e.g. the pipeline's busy/idle timing
+        if runner_extras is not None:
+            extras.update(runner_extras())
+        return extras
 
     def memory_gib(self) -> float:
         gpu = peak_memory_gib(self.rt.device)

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 from paratrain.errors import UserError
+from paratrain.train.faults import KILL_ENV as FAULT_ENV  # noqa: F401 - kept for callers of the old name
+from paratrain.train.faults import CollectiveFailure, describe_collective_failure, fault_hook
 
 log = logging.getLogger("paratrain")
-
-# Test-only fault injection: PARATRAIN_FAULT_KILL="RANK:STEP" SIGKILLs that rank right after that step,
-# on the first attempt only (so an elastic restart can finish the run). See docs/reliability.md.
-FAULT_ENV = "PARATRAIN_FAULT_KILL"
 
 
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="paratrain: %(message)s", stream=sys.stderr, force=True)
-
-
-def _fault_hook():
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    rank, step = (int(x) for x in spec.split(":"))
-
-    def hook(trainer, record):
-        if trainer.rt.rank == rank and record["step"] == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
 
 
 def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool) -> dict | None:
@@ -41,15 +26,30 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool) -> dict | Non
     from paratrain.train.trainer import Trainer
 
     cfg = TrainConfig(**cfg_dict)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    rt = init_runtime(cfg.device, cfg.timeout_s)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
+    trainer, error, summary = None, None, None
     try:
+        rt = init_runtime(cfg.device, cfg.timeout_s)
         trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet)
-        summary = trainer.fit(on_step=_fault_hook())
+        summary = trainer.fit(on_step=fault_hook())
     except UserError as exc:
-        if rt.is_main:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        shutdown()
-        sys.exit(2)
+        error = str(exc)
+    except RuntimeError as exc:
+        step = trainer.step + 1 if trainer is not None else 0
+        message = describe_collective_failure(exc, rank, step, cfg.timeout_s)
+        if message is None:
+            raise
+        # no shutdown(): destroying a group whose peer is gone can block; the launcher reaps this process
+        raise CollectiveFailure(message) from None
+    # Drop the model (and DDP's reducer) while the process groups are still registered. Otherwise the
+    # reducer can hold the last reference to a gloo group, whose destructor then joins gloo's threads with
+    # the GIL held while one of them waits for the GIL to free a finished work's tensors: a deadlock at
+    # exit (seen with 2 nodes x 2 ranks). Freed from the registry by shutdown(), a group is destroyed
+    # without the GIL.
+    trainer = None
+    gc.collect()
     shutdown()
-    return summary if rt.is_main else None
+    if error is not None:
+        raise UserError(error)  # our launcher and the CLI turn it into one line and exit 2
+    return summary if rank == 0 else None

@@ -1,0 +1,106 @@
+"""Turn the captured numbers into a time breakdown: where each step's wall time went, as fractions.
+
+Per rank and per measured step (seconds), with P = forward + backward + optimizer + loss sync:
+    communication_exposed  collectives in flight while the training thread ran no op (GPU: NCCL kernels
+                           not overlapped by compute kernels)
+    host_overhead          CPU: time between ops on the training thread (Python, framework) plus ops per
+                           step x the fixed cost inside one op, measured on a tiny autograd program
+                           (dispatch, allocation, autograd bookkeeping); GPU: time no kernel ran
+    bubble                 pipeline idle time, (pp-1)/(m*v+pp-1) of the pipelined phases, taken out of
+                           the exposed p2p waits (then out of idle time), where a stage sits in its bubble
+    compute                CPU: time inside ops beyond their fixed cost; for forward+backward at most 10x
+                           the time the step's FLOPs take at this device's measured matmul rate (the
+                           optimizer is memory-bound, so it has no such ceiling); GPU: compute kernels ran
+    data_wait              waiting for the next batch
+    other                  the step loop outside P and the work between steps (metrics logging, checkpoints)
+The profiler's own cost (ops x the per-op cost it adds, measured on the same tiny program) is removed.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+MATH_CEILING = 10.0
+CATEGORIES = ("compute", "communication_exposed", "data_wait", "host_overhead", "bubble", "other")
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else 0.0
+
+
+def op_costs(calibration: dict) -> tuple[float | None, float]:
+    """(fixed cost inside one op, cost the profiler adds per op), seconds, from the tiny-program probe.
+
+    The probe's ops do almost no math, so the time inside them is the per-op fixed cost (dispatch,
+    allocation, autograd bookkeeping); profiled minus plain run time is what profiling adds.
+    """
+    ops = calibration.get("tiny_program_ops")
+    if not ops:
+        return None, 0.0
+    inside = calibration.get("tiny_program_busy_s", calibration["tiny_program_s"]) / ops
+    profiled = calibration.get("tiny_program_profiled_s", calibration["tiny_program_s"]) / ops
+    return inside, max(0.0, profiled - calibration["tiny_program_s"] / ops)
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int, schedule: str) -> float:
+    if pp <= 1:
+        return 0.0
+    if schedule == "zero-bubble":
+        return 0.0
+    return (pp - 1) / (microbatches * max(1, virtual_stages) + pp - 1)
+
+
+def rank_breakdown(capture: dict, bubble: float = 0.0) -> dict:
+    """Seconds per step in each category for one rank, plus the evidence numbers behind them."""
+    steps = capture["steps"]
+    prof = capture.get("profile") or {}
+    iteration = _mean(steps, "iteration_s")
+    step_time = _mean(steps, "step_time_s")
+    data = _mean(steps, "data_wait_s")
+    phases = sum(_mean(steps, k) for k in ("forward_s", "backward_s", "optimizer_s", "loss_sync_s"))
+    ops = prof.get("ops_per_step", 0.0)
+    op_s, profiler_per_op = op_costs(capture.get("calibration", {}))
+
+    device_comm = prof.get("device_comm_exposed_s")
+    comm = min(phases, prof.get("comm_exposed_s", 0.0) + (device_comm or 0.0))
+    on_gpu = prof.get("device_compute_s") is not None
+    profiler_cost = 0.0 if on_gpu else min(phases - comm, ops * profiler_per_op)
+    work = phases - comm - profiler_cost
+    if on_gpu:
+        compute = min(work, prof["device_compute_s"])
+    else:
+        # inside ops the fixed cost per op is overhead and the rest is compute; between ops is all overhead
+        fixed = op_s or 0.0
+        fb = max(0.0, prof.get("busy_forward_backward_s", 0.0) - prof.get("ops_forward_backward", 0.0) * fixed)
+        rate = capture.get("calibration", {}).get("matmul_flops_per_s")
+        if rate and capture.get("flops_per_step"):
+            # the math ceiling: no reasonable kernel mix needs 10x the matmul-rate time for the forward and
+            # backward FLOPs; ops slower than that are dominated by fixed costs (the probe's ops are cheap ones)
+            fb = min(fb, MATH_CEILING * capture["flops_per_step"] / rate)
+        # the optimizer is memory-bound work on every parameter: no FLOP ceiling
+        tail = max(0.0, prof.get("busy_optimizer_s", 0.0) - prof.get("ops_optimizer", 0.0) * fixed)
+        compute = min(work, fb + tail)
+    host = work - compute
+    # a pipeline stage idles in its bubble waiting on a p2p receive (exposed communication) or, on GPU,
+    # with no kernel to run (idle): move the schedule's bubble out of those
+    expected = bubble * (phases - profiler_cost)
+    from_comm = min(comm, expected)
+    from_host = min(host, expected - from_comm)
+    comm, host, bubble_s = comm - from_comm, host - from_host, from_comm + from_host
+    other = max(0.0, iteration - step_time) + max(0.0, step_time - data - phases)
+    seconds = {"compute": compute, "communication_exposed": comm, "data_wait": data, "host_overhead": host,
+               "bubble": bubble_s, "other": other}
+    return {"rank": capture["rank"], "seconds": seconds, "step_time_s": sum(seconds.values()),
+            "measured_step_time_s": iteration, "profiler_overhead_s": profiler_cost,
+            "phases_s": {k: _mean(steps, f"{k}_s") for k in ("forward", "backward", "optimizer", "loss_sync")},
+            "ops_per_step": ops, "op_cost_s": op_s, "comm_in_flight_s": prof.get("comm_in_flight_s", 0.0)}
+
+
+def breakdown(captures: list[dict], bubble: float = 0.0) -> dict:
+    """{"fractions": {category: fraction}, "seconds": {...}, "step_time_s", "per_rank": [...]} over all ranks."""
+    per_rank = [rank_breakdown(c, bubble) for c in captures]
+    seconds = {k: statistics.fmean(r["seconds"][k] for r in per_rank) for k in CATEGORIES}
+    step = sum(seconds.values())
+    fractions = {k: (v / step if step > 0 else 0.0) for k, v in seconds.items()}
+    return {"fractions": fractions, "seconds": seconds, "step_time_s": step, "per_rank": per_rank}

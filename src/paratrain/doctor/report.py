@@ -1,0 +1,54 @@
+"""Assemble the doctor report (the `doctor --json` document) and its human rendering on stderr."""
+
+from __future__ import annotations
+
+from paratrain.doctor.analyze import CATEGORIES, breakdown, bubble_fraction
+from paratrain.doctor.rules import Context, diagnose
+
+
+def build_report(cfg, args, dims, device_type: str, result: dict, mem_budget_gib: float | None,
+                 predicted: dict | None, trace: str | None) -> dict:
+    pp_micro = cfg.microbatches or dims.pp
+    bubble = bubble_fraction(dims.pp, pp_micro, cfg.virtual_stages, cfg.pp_schedule)
+    analysis = breakdown(result["ranks"], bubble)
+    ctx = Context(cfg=cfg, args=args, dims=dims, device_type=device_type, analysis=analysis,
+                  captures=result["ranks"], mem_budget_gib=mem_budget_gib,
+                  predicted_mem_gib=(predicted or {}).get("mem_gib"))
+    findings = diagnose(ctx)
+    summary = result.get("summary") or {}
+    return {
+        "breakdown": {k: round(analysis["fractions"][k], 4) for k in CATEGORIES},
+        "findings": [f.to_dict() for f in findings],
+        "trace": trace,
+        "step_time_s": analysis["step_time_s"],
+        "seconds": analysis["seconds"],
+        "per_rank": analysis["per_rank"],
+        "run": {"strategy": cfg.strategy, "world_size": dims.world_size, "dims": dims.degrees(),
+                "model": args.name, "device": device_type, "measured_steps": len(result["ranks"][0]["steps"]),
+                "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
+                "metrics": cfg.metrics},
+        "predicted": predicted,
+        "nvml": result["ranks"][0].get("nvml"),
+        "comm": result["ranks"][0].get("comm"),
+    }
+
+
+def format_report(report: dict) -> str:
+    run = report["run"]
+    lines = [f"doctor: {run['model']} with {run['strategy']} on {run['world_size']} x {run['device']}, "
+             f"{report['step_time_s'] * 1e3:.1f} ms per step over {run['measured_steps']} measured steps", "",
+             "where the step time goes:"]
+    for key, value in report["breakdown"].items():
+        bar = "#" * round(value * 40)
+        lines.append(f"  {key:<22} {value:6.1%}  {bar}")
+    lines.append("")
+    if not report["findings"]:
+        lines.append("no findings: nothing here is costing you measurable time")
+    for i, f in enumerate(report["findings"], start=1):
+        lines.append(f"{i}. [{f['severity']}] {f['cause']}")
+        lines.append(f"   evidence: {f['evidence']}")
+        lines.append(f"   fix:      {f['fix']}")
+    if report.get("trace"):
+        lines.append("")
+        lines.append(f"trace: {report['trace']} (open in https://ui.perfetto.dev)")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,62 @@
+"""Turn `paratrain launch TARGET [train options]` into the job text for that target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.errors import UserError
+from paratrain.launchers.common import DEFAULT_IMAGE, JobSpec, check_job, validate_for_cluster
+
+TARGETS = ("slurm", "k8s", "skypilot")
+K8S_APIS = ("trainjob", "pytorchjob")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    job_name: str | None = None
+    max_restarts: int = 3
+    port: int = 29500
+    image: str = DEFAULT_IMAGE
+    k8s_api: str = "trainjob"
+    namespace: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str = "24:00:00"
+    accelerator: str = "H100"
+    cloud: str | None = None
+
+
+def render_launch(target: str, cfg, opts: LaunchOptions) -> str:
+    """Validate the run for nodes x gpus_per_node ranks, then render the job (UserError on bad input)."""
+    if target not in TARGETS:
+        raise UserError(f"unknown launch target {target!r}; choose one of: {', '.join(TARGETS)}")
+    if opts.k8s_api not in K8S_APIS:
+        raise UserError(f"--k8s-api must be one of: {', '.join(K8S_APIS)}")
+    if opts.max_restarts < 0:
+        raise UserError(f"--max-restarts must be at least 0, got {opts.max_restarts}")
+    name = opts.job_name or f"paratrain-{cfg.strategy}"
+    check_job(opts.nodes, opts.gpus_per_node, name, opts.port)
+    validate_for_cluster(cfg, opts.nodes * opts.gpus_per_node)
+    job = JobSpec(
+        name=name,
+        nodes=opts.nodes,
+        gpus_per_node=opts.gpus_per_node,
+        config_toml=cfg.to_toml(),
+        max_restarts=opts.max_restarts,
+        port=opts.port,
+        image=opts.image,
+        out=cfg.out,
+    )
+    if target == "slurm":
+        from paratrain.launchers.slurm import render_sbatch
+
+        return render_sbatch(job, opts.partition, opts.account, opts.time_limit)
+    if target == "k8s":
+        from paratrain.launchers.kubernetes import render_pytorchjob, render_trainjob
+
+        return (render_trainjob if opts.k8s_api == "trainjob" else render_pytorchjob)(job, opts.namespace)
+    from paratrain.launchers.skypilot import render_skypilot
+
+    return render_skypilot(job, opts.accelerator, opts.cloud)

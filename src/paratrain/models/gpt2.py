@@ -1,0 +1,135 @@
+"""A plain GPT-2-style decoder (LayerNorm, GELU MLP, learned positions, optional tied embedding).
+
+It keeps the conventions of models/llama.py so strategies treat both families alike: blocks sit in a
+ModuleDict `layers` keyed "0".."n-1"; attention is `attention.wq/wk/wv/wo` and goes through
+`Attention.attn_fn(q, k, v)` (the context-parallel hook); heads come from tensor shapes (tensor parallel);
+the token *and* position tables live in one `tok_embeddings` module, so a pipeline stage that drops the
+embedding drops both. The MLP is `feed_forward.w1` (up) and `feed_forward.w2` (down), with no w3.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.llama import ModelArgs, causal_sdpa
+
+
+class GPT2Embeddings(nn.Module):
+    """Token table plus learned absolute positions: h = tokens[ids] + positions[pos]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.positions = nn.Embedding(args.max_seq_len, args.dim)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(positions)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        inner = args.n_heads * self.head_dim
+        self.wq = nn.Linear(args.dim, inner)
+        # no key bias: it adds q.b_k to every score of a query alike, which softmax cancels, so its gradient
+        # is identically zero (GPT-2 has one; dropping it changes no output)
+        self.wk = nn.Linear(args.dim, inner, bias=False)
+        self.wv = nn.Linear(args.dim, inner)
+        self.wo = nn.Linear(inner, args.dim)
+        self.attn_fn = causal_sdpa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its local heads
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        out = self.attn_fn(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attention = GPT2Attention(args)
+        self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = GPT2MLP(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class GPT2(nn.Module):
+    """Decoder-only LM. Pipeline stages set tok_embeddings / norm / output to None where absent."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Module | None = GPT2Embeddings(args)
+        self.layers = nn.ModuleDict({str(i): GPT2Block(args) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.tokens.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from a seed (GPT-2's: N(0, 0.02), residual projections scaled by 1/sqrt(2L))."""
+        gen = torch.Generator().manual_seed(seed)
+        std = 0.02
+        with torch.no_grad():
+            # named_parameters() lists a tied table once, so it is drawn once
+            for name, p in sorted(self.named_parameters()):
+                owner, _, leaf = name.rpartition(".")
+                if owner.endswith("norm"):
+                    p.fill_(1.0 if leaf == "weight" else 0.0)
+                elif leaf == "bias":
+                    p.zero_()
+                else:
+                    scale = std / (2 * self.args.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) ids, or hidden states on a later pipeline stage.
+
+        positions: global token positions (seq,) when the sequence is sharded (context parallel).
+        """
+        if self.tok_embeddings is not None:
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.tok_embeddings(tokens, positions)
+        else:
+            h = tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def count_gpt2_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Parameters of GPT2(args). include_embedding=False drops the token and position tables (lookups);
+    the output head always counts, tied or not, since it is a real matmul."""
+    d, f = args.dim, args.ffn_dim
+    attn = 4 * d * d + 3 * d  # q, v and output biases; no key bias
+    mlp = 2 * d * f + f + d
+    per_layer = attn + mlp + 4 * d
+    head = args.vocab_size * d
+    body = args.n_layers * per_layer + 2 * d + head
+    tables = args.vocab_size * d + args.max_seq_len * d
+    if not include_embedding:
+        return body
+    return body + tables - (head if args.tie_embeddings else 0)

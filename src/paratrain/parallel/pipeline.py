@@ -1,0 +1,228 @@
+"""Pipeline parallelism: carve the model into stages, parallelize each, and run one optimizer step's
+micro-batches through a torch.distributed.pipelining schedule, timing each rank's busy and idle time."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.options import ParallelOptions
+from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.pipeline_split import (
+    carve_stage,
+    check_pipeline_layout,
+    split_into_stages,
+    stage_ranks,
+)
+from paratrain.train.data import Batch
+from paratrain.train.optim import build_optimizer
+from paratrain.train.step import autocast_context, lm_loss
+
+log = logging.getLogger("paratrain")
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+class BusyClock:
+    """Wall time this rank spends computing inside a schedule step (forward, backward, loss, grad reduce).
+
+    Everything else in the step is waiting on a neighbour stage (the bubble) or p2p transfer.
+    """
+
+    def __init__(self):
+        self.busy_s = 0.0
+
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        return timed
+
+    def instrument(self, stage: PipelineStage) -> None:
+        # instance attributes shadow the class methods the schedule calls
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad"):
+            setattr(stage, name, self.wrap(getattr(stage, name)))
+
+
+def _autocast_forward(module: nn.Module, device_type: str, dtype: str) -> None:
+    """Run this module's forward under autocast without wrapping it (a wrapper would rename its FQNs and
+    hide FSDP/DDP from the schedule, which special-cases them)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with autocast_context(device_type, dtype):
+            return forward(*args, **kwargs)
+
+    module.forward = run
+
+
+def _mesh_named(dims: ParallelDims, names: tuple[str, ...], layout=None):
+    """The mesh a DTensor crossing a stage boundary lives on (sequence-parallel activations: "tp")."""
+    return dims.mesh[names if len(names) > 1 else names[0]]
+
+
+def _shape_pass_without_sync(stage: PipelineStage) -> None:
+    """DDP stages: run the schedule's one-off shape-inference forward under no_sync. Otherwise DDP's reducer
+    records that forward's parameters as well and fails its bucket rebuild on the next real forward."""
+    compute = stage._compute_outputs
+
+    def compute_without_sync(*args, module, **kwargs):
+        with module.no_sync():
+            return compute(*args, module=module, **kwargs)
+
+    stage._compute_outputs = compute_without_sync
+
+
+class PipelineStep:
+    """The Trainer's step runner for pp > 1: forward + backward of one optimizer step through the schedule."""
+
+    def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], dims: ParallelDims,
+                 device: torch.device, microbatches: int, last_pp_rank: int):
+        self.schedule, self.stages, self.model_parts = schedule, stages, parts
+        self.dims, self.device, self.microbatches = dims, device, microbatches
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.pp_mesh = dims.submesh("pp")
+        self.last_pp_rank = last_pp_rank
+        self.clock = BusyClock()
+        for stage in stages:
+            self.clock.instrument(stage)
+        self._losses: list[torch.Tensor] = []
+        self.last_timing: dict | None = None
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch mean loss. The schedule then divides the grads by the micro-batch count
+        (scale_grads=True), so grads equal those of the mean loss over the rank's whole batch."""
+        t0 = time.perf_counter()
+        loss = lm_loss(logits, targets)
+        self._losses.append(loss.detach())
+        self.clock.busy_s += time.perf_counter() - t0
+        return loss
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Mean loss over this rank's batch on a rank holding the last stage (zero elsewhere)."""
+        inputs = torch.cat([mb.inputs for mb in micro_batches])
+        targets = torch.cat([mb.targets for mb in micro_batches])
+        self._losses = []
+        self.clock.busy_s = 0.0
+        t0 = time.perf_counter()
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=targets if self.has_last else None, return_outputs=False)
+        total = time.perf_counter() - t0
+        busy = min(self.clock.busy_s, total)
+        self.last_timing = {"busy_s": busy, "total_s": total, "idle_s": total - busy,
+                            "idle_fraction": (total - busy) / total if total > 0 else 0.0,
+                            "microbatches": self.microbatches}
+        if self.has_last:
+            # the first step also runs loss_fn once on dummy data to infer backward shapes: keep the last M
+            return torch.stack(self._losses[-self.microbatches:]).mean()
+        return torch.zeros((), device=self.device)
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """The global mean loss, identical on every rank: broadcast from the last stage, average over dp."""
+        value = local.detach().float().clone()
+        if self.pp_mesh is not None:
+            group = self.pp_mesh.get_group()
+            dist.broadcast(value, src=dist.get_global_rank(group, self.last_pp_rank), group=group)
+        dp_cp = self.dims.submesh("dp_cp")
+        if dp_cp is not None:
+            dist.all_reduce(value, group=dp_cp.get_group())
+            value /= dp_cp.size()
+        return float(value.item())
+
+    def build_optimizers(self, cfg) -> list:
+        """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
+        return [build_optimizer(list(part.parameters()), cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
+                                self.device.type) for part in self.model_parts]
+
+    def timing_report(self) -> dict | None:
+        """Every rank's busy/idle time in the last step (a collective over the world: call on all ranks).
+
+        A rank whose schedule ends early idles until the slowest rank is done (in training, inside the next
+        collective), so the pipeline-wide idle fraction of rank r is 1 - busy_r / slowest rank's step time.
+        """
+        if self.last_timing is None:
+            return None
+        mine = {"rank": dist.get_rank(), "pp_rank": self.pp_mesh.get_local_rank(), **self.last_timing}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        step_s = max(r["total_s"] for r in everyone)
+        for r in everyone:
+            r["own_idle_fraction"] = r.pop("idle_fraction")
+            r["idle_fraction"] = 1 - r["busy_s"] / step_s if step_s > 0 else 0.0
+        idle = [r["idle_fraction"] for r in everyone]
+        v = self.stages[0].num_stages // self.dims.pp
+        return {"schedule": type(self.schedule).__name__, "microbatches": self.microbatches, "pp": self.dims.pp,
+                "virtual_stages": v, "step_s": step_s,
+                "ideal_bubble_fraction": ideal_bubble(self.dims.pp, self.microbatches, v),
+                "idle_fraction_mean": sum(idle) / len(idle), "per_rank": everyone}
+
+    def verify_extras(self) -> dict:
+        report = self.timing_report()
+        return {"pipeline": report} if report else {}
+
+
+def ideal_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a 1F1B / GPipe pipeline with equal stage times: (p-1) / (v*m + p-1)."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def build_pipeline_step(model: nn.Module, dims: ParallelDims, options: ParallelOptions, device: torch.device, cfg,
+                        scaler=None) -> PipelineStep:
+    """Split `model` into stages, keep this rank's, parallelize each (TP/FSDP/DDP), and build the schedule.
+
+    `scaler` is always None: fp16 (loss scaling) is rejected for pipelines by check_pipeline_layout.
+    """
+    schedule_name = "gpipe" if options.strategy == "model" else options.pp_schedule
+    v = options.virtual_stages
+    microbatches = check_pipeline_layout(options.strategy, schedule_name, dims.pp, v, len(model.layers),
+                                         cfg.global_batch, dims.dp, options.microbatches, cfg.micro_batch, dims.cp,
+                                         options.dtype)
+    specs = split_into_stages(model, dims.pp, v, cfg.seq_len)
+    ranks = stage_ranks(dims.pp, len(specs))
+    pp_mesh = dims.submesh("pp")
+    pp_rank = pp_mesh.get_local_rank()
+    stages, parts = [], []
+    for spec in specs:
+        if ranks[spec.index] != pp_rank:
+            continue
+        part = carve_stage(model, spec)
+        part = parallelize(part, dims, options)
+        if options.dtype != "fp32":
+            _autocast_forward(part, device.type, options.dtype)
+        parts.append(part)
+        stage = PipelineStage(part, spec.index, len(specs), device, group=pp_mesh.get_group(),
+                              get_mesh=functools.partial(_mesh_named, dims))
+        if hasattr(part, "no_sync"):
+            _shape_pass_without_sync(stage)
+        stages.append(stage)
+    step = PipelineStep(None, stages, parts, dims, device, microbatches, ranks[-1])
+    cls = SCHEDULES[schedule_name]
+    stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
+    step.schedule = cls(stage_arg, microbatches, loss_fn=step.loss_fn, scale_grads=True)
+    if pp_rank == 0:
+        layout = "; ".join(f"stage {s.index}: layers {s.layers[0]}-{s.layers[-1]}"
+                           + (" +embed" if s.first else "") + (" +head" if s.last else "") for s in specs)
+        log.info("pipeline %s, pp=%d x %d stage(s)/rank, %d micro-batches; %s", schedule_name, dims.pp, v,
+                 microbatches, layout)
+    return step

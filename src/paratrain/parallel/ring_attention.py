@@ -1,0 +1,201 @@
+# Ring attention (Liu et al. 2023) with the load-balanced "zigzag" layout: K/V blocks travel around the
+# context-parallel ring while each rank keeps its queries; partial results merge exactly by log-sum-exp.
+"""Ring attention as an autograd Function, written out forward and backward.
+
+Layout: the sequence is cut into 2*cp chunks of c tokens; cp rank r holds chunks r and 2*cp-1-r (its local
+sequence is [chunk r | chunk 2cp-1-r], 2c tokens). At ring step i rank r holds the K/V of rank
+src=(r-i) mod cp, and the causal mask between its queries and that block takes one of three shapes:
+
+    step 0   (src == r): the block is our own: the causal mask by global position (3 of 4 sub-blocks live);
+    src <  r           : every query sees the source's *first* chunk, none of its second;
+    src >  r           : only our *second* chunk of queries sees the block, and sees all of it.
+
+Steps after the first therefore cost exactly two c x c sub-blocks on every rank: equal work everywhere.
+The blockwise attention is plain fp32 math (matmul + logsumexp), so the LSE is exact and it runs on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import UserError
+
+_KV_TAG, _DKV_TAG = 71, 72  # distinct tags keep the K/V and dK/dV streams apart on gloo (NCCL ignores tags)
+# query rows are processed in tiles of at most this many score elements (8 MiB in fp32), so a block's
+# transient scores/probabilities stay small next to the activations however long the local sequence is
+TILE_SCORES = 1 << 21
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens cp rank `rank` holds: chunks rank and 2*cp-1-rank of 2*cp chunks."""
+    if seq_len % (2 * cp):
+        raise UserError(f"context parallel cp={cp} needs the sequence length ({seq_len}) to be a multiple of "
+                        f"2*cp={2 * cp}")
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+class _Ring:
+    """The ring of a process group: pass a tensor to the next rank, receive one from the previous."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def shift(self, tensor: torch.Tensor, tag: int):
+        """Start sending `tensor` forward; return (receive buffer, works to wait on)."""
+        recv = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=tag),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _block_region(step: int, rank: int, cp: int, c: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, needs the causal mask) for the K/V block held at `step` (see module doc)."""
+    src = (rank - step) % cp
+    if step == 0:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+def _row_tiles(rows: slice, seq_local: int, kv_len: int, batch_heads: int):
+    start, stop, _ = rows.indices(seq_local)
+    step = max(1, TILE_SCORES // max(1, kv_len * batch_heads))
+    for first in range(start, stop, step):
+        yield slice(first, min(first + step, stop))
+
+
+def _causal_mask(rank: int, cp: int, c: int, device) -> torch.Tensor:
+    pos = zigzag_positions(2 * cp * c, cp, rank, device)
+    return pos[:, None] >= pos[None, :]
+
+
+def _attend_block(q, k, v, scale: float, mask):
+    """Softmax attention of q over one K/V block: (output, log-sum-exp of the scores) in fp32."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # FlashAttention's order: unnormalised exp(s - max) @ V, divided by the row sum afterwards
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - row_max)
+    row_sum = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, v) / row_sum, row_max + torch.log(row_sum)
+
+
+def _merge_into(out, lse, block_out, block_lse) -> None:
+    """out/lse (views) <- the exact softmax over both key sets, from each side's partial result."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse)).add_(block_out * torch.exp(block_lse - new_lse))
+    lse.copy_(new_lse)
+
+
+def _grad_block(q, k, v, dout, lse, delta, scale: float, mask):
+    """FlashAttention-style gradients of one block, from the final LSE: (dq, dk, dv) in fp32."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.exp(scores - lse)  # the final softmax restricted to this block
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
+    dq = torch.matmul(dscores, k) * scale
+    dk = torch.matmul(dscores.transpose(-2, -1), q) * scale
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        ring = _Ring(group)
+        cp, rank = ring.size, ring.rank
+        batch, heads, seq_local, _ = q.shape
+        if seq_local % 2:
+            raise UserError(f"ring attention needs an even local sequence length (two chunks), "
+                            f"got {seq_local}")
+        c, scale = seq_local // 2, q.shape[-1] ** -0.5
+        with torch.autocast(q.device.type, enabled=False):
+            qf = q.float()
+            kv = torch.stack([k.float(), v.float()])
+            out = torch.zeros_like(qf)
+            lse = torch.full((batch, heads, seq_local, 1), float("-inf"), device=q.device)
+            for step in range(cp):
+                # Phase 1: post the K/V rotation for the next step first: the transfer overlaps this compute.
+                if step + 1 < cp:
+                    next_kv, works = ring.shift(kv, _KV_TAG)
+                # Phase 2: attend to the block we hold, with the mask shape this step calls for.
+                rows, cols, masked = _block_region(step, rank, cp, c)
+                mask = _causal_mask(rank, cp, c, q.device) if masked else None
+                k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
+                for tile in _row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads):
+                    block_out, block_lse = _attend_block(qf[..., tile, :], k_blk, v_blk, scale,
+                                                         mask[tile] if masked else None)
+                    # Phase 3: merge the partial result into the running output by log-sum-exp.
+                    _merge_into(out[..., tile, :], lse[..., tile, :], block_out, block_lse)
+                if step + 1 < cp:
+                    _wait(works)
+                    kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        cp, rank = ring.size, ring.rank
+        batch, heads, seq_local, _ = q.shape
+        c, scale = seq_local // 2, q.shape[-1] ** -0.5
+        with torch.autocast(q.device.type, enabled=False):
+            qf, doutf = q.float(), dout.float()
+            delta = (doutf * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O), the softmax-Jacobian term
+            dq = torch.zeros_like(qf)
+            kv = torch.stack([k.float(), v.float()])
+            dkv_recv, dkv_works = None, None
+            for step in range(cp):
+                # Phase 1: post the K/V rotation for the next step (the same ring walk as the forward).
+                if step + 1 < cp:
+                    next_kv, kv_works = ring.shift(kv, _KV_TAG)
+                # Phase 2: this block's gradients; dQ belongs to our queries and accumulates here.
+                rows, cols, masked = _block_region(step, rank, cp, c)
+                mask = _causal_mask(rank, cp, c, q.device) if masked else None
+                k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
+                dkv = torch.zeros_like(kv)
+                for tile in _row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads):
+                    bdq, bdk, bdv = _grad_block(qf[..., tile, :], k_blk, v_blk, doutf[..., tile, :],
+                                                lse[..., tile, :], delta[..., tile, :], scale,
+                                                mask[tile] if masked else None)
+                    dq[..., tile, :] += bdq
+                    dkv[0][..., cols, :] += bdk
+                    dkv[1][..., cols, :] += bdv
+                # Phase 3: dK/dV of this block belong to its owner: add ours to what earlier holders summed.
+                if dkv_works is not None:
+                    _wait(dkv_works)
+                    dkv += dkv_recv
+                # Phase 4: pass the sum on; the next rank holds this same block at the next step.
+                if cp > 1:
+                    dkv_recv, dkv_works = ring.shift(dkv, _DKV_TAG)
+                else:
+                    dkv_recv = dkv
+                if step + 1 < cp:
+                    _wait(kv_works)
+                    kv = next_kv
+            # Phase 5: after cp hops every block's dK/dV has come home.
+            if dkv_works is not None:
+                _wait(dkv_works)
+        return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Causal attention over the whole (zigzag-sharded) sequence; q, k, v: (batch, heads, seq_local, dim)."""
+    return RingAttention.apply(q, k, v, group)

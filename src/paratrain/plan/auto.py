@@ -1,0 +1,86 @@
+"""`paratrain train --strategy auto`: plan for the machine this runs on and take the first feasible candidate.
+
+The hardware is the calibrated profile when one exists (`paratrain plan --calibrate`), else the catalog entry
+of the detected GPU; the world is --nproc. Degrees or options the user gave stay fixed. The choice and the
+planner's reasons are logged, so the run says why it uses what it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from paratrain.errors import UserError
+
+log = logging.getLogger("paratrain")
+
+
+def auto_hardware(device: str):
+    from paratrain.plan.hardware import (
+        default_profile_path,
+        detect,
+        get_gpu,
+        load_profile,
+        profile_from_spec,
+    )
+
+    machine = detect()
+    use_cuda = device == "cuda" or (device == "auto" and machine["device"] == "cuda")
+    path = os.environ.get("PARATRAIN_HARDWARE") or str(default_profile_path())
+    if os.path.exists(path):
+        profile = load_profile(path)
+        kind = "cpu" if profile.gpu.name == "cpu" else "cuda"
+        if kind == ("cuda" if use_cuda else "cpu"):
+            return profile, f"calibrated profile {path}"
+    if use_cuda:
+        if not machine.get("gpu"):
+            raise UserError(f"--strategy auto: GPU {machine.get('device_name')!r} is not in the catalog; run "
+                            "`paratrain plan --calibrate` first (no other GPU's figures are used instead)")
+        return profile_from_spec(get_gpu(machine["gpu"])), f"catalog {machine['gpu']}"
+    return profile_from_spec(get_gpu("cpu")), "catalog cpu placeholder (calibrate for real figures)"
+
+
+def resolve_auto_strategy(cfg):
+    """cfg with strategy 'auto' -> the same config with the planner's first feasible layout filled in."""
+    import dataclasses
+
+    from paratrain.plan.planner import search
+    from paratrain.plan.search import Job
+    from paratrain.train.trainer import model_args_for
+    from paratrain.train.validate import world_size_for
+
+    world = world_size_for(cfg.model_copy(update={"strategy": "ddp"}))
+    profile, where = auto_hardware(cfg.device)
+    if profile.gpu.gpus_per_node < world:
+        profile = dataclasses.replace(profile, gpu=dataclasses.replace(profile.gpu, gpus_per_node=world))
+    args = model_args_for(cfg.model_copy(update={"strategy": "ddp"}))
+    device_type = "cpu" if profile.gpu.name == "cpu" else "cuda"
+    job = Job(args=args, model_name=cfg.model, gpus=world, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+              dtype=cfg.dtype, device_type=device_type)
+    if cfg.dtype not in profile.gpu.peak_tflops:
+        raise UserError(f"--strategy auto: the hardware profile has no {cfg.dtype} figures")
+    fixed = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
+             "micro_batch": cfg.micro_batch, "ac": cfg.ac if cfg.ac != "none" else None}
+    feasible, infeasible, _ = search(job, profile, fixed)
+    if not feasible:
+        closest = infeasible[0].memory.total / 2**30 if infeasible else float("nan")
+        raise UserError(f"--strategy auto: no layout of {cfg.model} fits {world} x {profile.gpu.name} "
+                        f"({profile.gpu.mem_gib:g} GiB each; the closest needs {closest:.1f} GiB); try more devices "
+                        f"or `paratrain plan` for details")
+    best = feasible[0]
+    lay = best.layout
+    from paratrain.plan.planner import explain
+
+    log.info("--strategy auto (%s, %s): %s, micro-batch %d, ac %s; predicted %.3g s/step, %.2f GiB/device",
+             where, f"{world} x {profile.gpu.name}", lay.label(), lay.micro_batch, lay.ac, best.time.step_s,
+             best.memory.total / 2**30)
+    for reason in explain(job, profile, best):
+        log.info("  because: %s", reason)
+    update = {"strategy": lay.strategy, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+              "cp": lay.cp, "tp": lay.tp, "sp": lay.sp and lay.tp > 1, "micro_batch": lay.micro_batch, "ac": lay.ac,
+              "nproc": world}
+    if lay.cp > 1:
+        update["cp_impl"] = lay.cp_impl
+    if lay.pp > 1:
+        update.update(pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, microbatches=lay.microbatches)
+    return cfg.model_copy(update=update)

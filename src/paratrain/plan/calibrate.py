@@ -1,0 +1,424 @@
+"""`paratrain plan --calibrate`: microbenchmarks on this machine and backend, saved as a hardware profile.
+
+Every rank measures at once (as ranks compete in training): matmul FLOP/s per dtype at several sizes,
+memory bandwidth, per-op overhead (forward ops from Python, backward ops from the autograd engine), and
+all-reduce / all-gather / reduce-scatter / broadcast / all-to-all / p2p at several sizes, fitted to
+latency + bytes / bus bandwidth; plus how much of an all-reduce hides under a concurrent matmul loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from paratrain.plan.hardware import GPUSpec, HardwareProfile, detect
+
+log = logging.getLogger("paratrain")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timeit(fn, device, min_s: float = 0.05, max_reps: int = 200) -> float:
+    """Seconds per call, averaged over a window of at least min_s after one warm-up call: a typical call
+    under the machine's current load, as a training step meets it."""
+    fn()
+    _sync(device)
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_s or reps >= max_reps:
+            return elapsed / reps
+
+
+def bench_matmul(device, sizes, budget_s: float) -> dict[str, list[list[float]]]:
+    curves: dict[str, list[list[float]]] = {}
+    for name, dtype in DTYPES.items():
+        points = []
+        for n in sizes:
+            try:
+                a = torch.randn(n, n, device=device).to(dtype)
+                b = torch.randn(n, n, device=device).to(dtype)
+                t = _timeit(lambda a=a, b=b: torch.mm(a, b), device, budget_s)
+            except RuntimeError:
+                break
+            points.append([2.0 * n ** 3, 2.0 * n ** 3 / t / 1e12])
+        if points:
+            curves[name] = points
+    return curves
+
+
+def bench_memory(device, budget_s: float) -> float:
+    x = torch.empty(8 * 2**20, device=device)  # 32 MiB, beyond the caches
+    y = torch.empty_like(x)
+    t = _timeit(lambda: y.copy_(x), device, budget_s)
+    return 2 * x.numel() * 4 / t / 1e9
+
+
+def bench_overheads(device, budget_s: float) -> dict[str, float]:
+    """Seconds per forward op (Python -> dispatcher -> tiny kernel), per backward op, per view op."""
+    x = torch.ones(8, device=device)
+    n = 200
+
+    def fwd():
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        return y
+
+    t_fwd = _timeit(fwd, device, budget_s) / n
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def chain():
+        y = leaf
+        for _ in range(n):
+            y = y * 1.0001
+        return y.sum()
+
+    def fwd_bwd():
+        chain().backward()
+
+    t_fb = _timeit(fwd_bwd, device, budget_s)
+    t_bwd = max(t_fb - _timeit(chain, device, budget_s), 0.0) / n  # one mul backward per forward mul
+    v = torch.ones(4, 8, device=device)
+    t_view = _timeit(lambda: [v.view(8, 4) for _ in range(n)], device, budget_s) / n
+    return {"fwd": t_fwd * 1e6, "bwd": t_bwd * 1e6, "view": t_view * 1e6, "opt": t_fwd * 1e6}
+
+
+def _collective(kind: str, nbytes: int, device, world: int):
+    numel = max(world, nbytes // 4 // world * world)
+    if kind == "all_reduce":
+        t = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(t), numel * 4
+    if kind == "all_gather":
+        shard = torch.ones(numel // world, device=device)
+        out = torch.empty(numel, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, shard), numel * 4
+    if kind == "reduce_scatter":
+        full = torch.ones(numel, device=device)
+        out = torch.empty(numel // world, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, full), numel * 4
+    if kind == "broadcast":
+        t = torch.ones(numel, device=device)
+        return lambda: dist.broadcast(t, src=0), numel * 4
+    if kind == "all_to_all":
+        t = torch.ones(numel, device=device)
+        out = torch.empty_like(t)
+        return lambda: dist.all_to_all_single(out, t), numel * 4
+    # p2p: ring exchange (send to next, receive from previous), as the pipeline and ring attention do
+    rank = dist.get_rank()
+    send, recv = torch.ones(numel, device=device), torch.empty(numel, device=device)
+
+    def exchange():
+        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    return exchange, numel * 4
+
+
+def _timeit_together(fn, device, budget_s: float, max_reps: int = 50) -> float:
+    """Seconds per call of a collective: every rank runs the same number of calls (agreed first)."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = torch.tensor([min(max_reps, max(3, int(budget_s / once)))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)
+    n = int(reps.item())
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Least-squares t = a + b * wire_bytes over the measured sizes; a >= 0, b > 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    b = max(b, 1e-12)
+    a = max(my - b * mx, 0.0)
+    return {"latency_us": a * 1e6, "busbw_gbs": 1.0 / b / 1e9}
+
+
+def bench_collectives(device, sizes, budget_s: float) -> dict[str, dict[str, float]]:
+    from paratrain.plan.collectives import WIRE_FACTOR
+
+    world = dist.get_world_size()
+    out = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p"):
+        points = []
+        try:
+            for size in sizes:
+                fn, payload = _collective(kind, size, device, world)
+                dist.barrier()
+                t = _agree_max(_timeit_together(fn, device, budget_s), device)
+                points.append((payload * WIRE_FACTOR[kind](world), t))
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. a backend without this collective
+            log.warning("calibrate: %s not measured (%s)", kind, str(exc).splitlines()[0])
+            continue
+        out[kind] = {**_fit(points), "points": [[x, y] for x, y in points], "world": world}
+    return out
+
+
+def _agree_max(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def bench_overlap(device, budget_s: float) -> float:
+    """Fraction of an all-reduce that hides under a concurrent matmul loop (0: none, 1: all)."""
+    a = torch.randn(256, 256, device=device)
+    buf = torch.ones(4 * 2**20 // 4, device=device)
+
+    def compute():
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def comm():
+        dist.all_reduce(buf)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_c = _agree_max(_timeit_together(compute, device, budget_s), device)
+    t_m = _agree_max(_timeit_together(comm, device, budget_s), device)
+    t_b = _agree_max(_timeit_together(both, device, budget_s), device)
+    hidden = (t_c + t_m - t_b) / max(min(t_c, t_m), 1e-9)
+    return float(min(max(hidden, 0.0), 1.0))
+
+
+class _DTensorOpCounter:
+    """Counts aten ops that run on DTensors (a dispatch mode sees them before DTensor's own dispatch)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from torch.distributed.tensor import DTensor
+                from torch.utils._pytree import tree_leaves
+
+                if any(isinstance(x, DTensor) for x in tree_leaves((args, kwargs or {}))):
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+
+
+def bench_framework(device, budget_s: float) -> dict[str, float]:
+    """Host overheads, beyond their collectives: per DTensor op (a tensor-parallel MLP against the same MLP
+    at its local shape, per op that runs on DTensors), and per parameter per FSDP2 gather or reduce."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    width, x = 64, torch.randn(4, 32, 64, device=device)
+
+    def mlp(hidden: int):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(device)
+
+    def step(m):
+        m(x).sum().backward()
+
+    local = mlp(4 * width // world)
+    tp = parallelize_module(mlp(4 * width), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    step(tp)
+    counter = _DTensorOpCounter()
+    with counter.mode:
+        step(tp)
+    t_local = _timeit_together(lambda: step(local), device, budget_s)
+    t_tp = _timeit_together(lambda: step(tp), device, budget_s)
+    # one all-reduce forward and one backward (the row-parallel output, the column-parallel input grad)
+    comm = 2 * _collective_latency("all_reduce")
+    dtensor_op = max(0.0, t_tp - t_local - comm) / max(counter.count, 1)
+
+    blocks, per_block = 6, 4
+    inp = torch.randn(4, 16, device=device)
+
+    def stack():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(*[nn.Linear(16, 16) for _ in range(per_block // 2)])
+                               for _ in range(blocks)]).to(device)
+
+    def fsdp_step(m):
+        m(inp).sum().backward()
+
+    plain = stack()
+    sharded = stack()
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    base = _timeit_together(lambda: fsdp_step(plain), device, budget_s)
+    t_fsdp = _timeit_together(lambda: fsdp_step(sharded), device, budget_s)
+    # ZeRO-3 per block and step: a gather for the forward, one for the backward, a reduce-scatter, each with
+    # its collective's latency (charged by the collective model already)
+    latency = sum(_collective_latency(k) for k in ("all_gather", "all_gather", "reduce_scatter"))
+    params_per_block = 2 * (per_block // 2)
+    fsdp_param = max(0.0, (t_fsdp - base) / blocks - latency) / (3 * params_per_block)
+    return {"dtensor_op": dtensor_op * 1e6, "fsdp_param": fsdp_param * 1e6}
+
+
+def _reference_model(device, width: int = 256, depth: int = 2):
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    model = nn.Sequential(*layers)
+    return model if str(device) == "cpu" else model.to(device)
+
+
+def _reference_step(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+
+
+def bench_reference(device, budget_s: float) -> float:
+    """Seconds per training step of a small reference network (LayerNorm + GELU MLP, AdamW): the end-to-end
+    check the op-level figures are scaled to (host overheads the microbenchmarks miss: modules, autograd)."""
+    from paratrain.train.optim import build_optimizer
+
+    model = _reference_model(device)
+    opt = build_optimizer(list(model.parameters()), 1e-3, (0.9, 0.95), 0.0, device.type)
+    x = torch.randn(2, 128, 256, device=device)
+    return _timeit(lambda: _reference_step(model, opt, x), device, budget_s * 4)
+
+
+def predict_reference(profile, device_type: str) -> float:
+    """The same reference step, priced by the planner's op-level roofline (profile scale 1)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paratrain.plan.local_model import CommLog
+    from paratrain.plan.time import op_cost
+    from paratrain.plan.trace import _recorder
+    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.train.optim import build_optimizer
+
+    ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
+    state = {"phase": None}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _reference_model("cpu")
+        opt = build_optimizer(list(model.parameters()), 1e-3, (0.9, 0.95), 0.0, device_type)
+        x = torch.randn(2, 128, 256)
+        with LiveTensorTracker(op_hook=_recorder(ops, state, CommLog()), resync=False):
+            _reference_step(model, opt, x)  # creates the optimizer state
+            state["phase"] = "fwd"
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).float().pow(2).mean()
+            state["phase"] = "bwd"
+            loss.backward()
+            state["phase"] = "opt"
+            opt.step()
+    return sum(n * op_cost(profile, "fp32", phase)(k, f, b, d) for phase, items in ops.items()
+               for k, f, b, n, d in items)
+
+
+_LATENCY: dict[str, float] = {}
+
+
+def _collective_latency(kind: str) -> float:
+    return _LATENCY.get(kind, 0.0)
+
+
+def calibrate_worker(opts: dict) -> dict | None:
+    from paratrain.train.runtime import init_runtime, shutdown
+
+    rt = init_runtime(opts.get("device", "auto"), float(opts.get("timeout_s", 120)))
+    budget = float(opts.get("budget_s", 0.05))
+    torch.manual_seed(rt.rank)
+    try:
+        result = {
+            "matmul": bench_matmul(rt.device, opts.get("matmul_sizes", (64, 128, 256, 512, 1024)), budget),
+            "mem_bw_gbs": bench_memory(rt.device, budget),
+            "overheads": bench_overheads(rt.device, budget),
+            "reference_step_s": bench_reference(rt.device, budget),
+        }
+        if rt.world_size > 1:
+            dist.barrier()
+            result["collectives"] = bench_collectives(rt.device, opts.get("comm_sizes", (2**14, 2**18, 2**21, 2**23)),
+                                                      budget)
+            _LATENCY.update({k: v["latency_us"] * 1e-6 for k, v in result["collectives"].items()})
+            result["overlap"] = bench_overlap(rt.device, budget)
+            result["framework"] = bench_framework(rt.device, budget)
+        result["device_type"] = rt.device_type
+        result["backend"] = rt.backend
+        result["world"] = rt.world_size
+    finally:
+        shutdown()
+    return result if rt.rank == 0 else None
+
+
+def calibrate(nproc: int = 2, device: str = "auto", timeout_s: float = 120.0, budget_s: float = 0.05) -> HardwareProfile:
+    """Run the microbenchmarks on `nproc` local processes and turn rank 0's figures into a profile."""
+    from paratrain.train.launch import run_workers
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
+    raw = run_workers(calibrate_worker, ({"device": device, "timeout_s": timeout_s, "budget_s": budget_s},), nproc,
+                      0, timeout_s)[0]
+    return profile_from_measurements(raw, nproc)
+
+
+def profile_from_measurements(raw: dict, nproc: int) -> HardwareProfile:
+    machine = detect()
+    on_cpu = raw["device_type"] == "cpu"
+    best = {d: max(r for _, r in pts) for d, pts in raw["matmul"].items()}
+    p2p = raw.get("collectives", {}).get("p2p", {}).get("busbw_gbs") or 1.0
+    name = "cpu" if on_cpu else (machine.get("gpu") or machine.get("device_name", "gpu"))
+    mem_gib = machine["mem_gib"] / max(nproc, 1) if on_cpu else machine["mem_gib"]
+    spec = GPUSpec(name=name, peak_tflops=best, mem_gib=round(mem_gib, 2), intra_node_gbs=p2p, inter_node_gbs=p2p,
+                   gpus_per_node=nproc if on_cpu else machine.get("gpus_per_node", nproc),
+                   mem_bw_gbs=raw["mem_bw_gbs"],
+                   source=f"calibrated with {raw['world']} {raw['backend']} process(es) on this machine: peak = the "
+                          "best matmul rate measured per dtype",
+                   assumptions=f"memory per device = machine memory / {nproc} processes" if on_cpu else "")
+    collectives = {k: {"latency_us": v["latency_us"], "busbw_gbs": v["busbw_gbs"]}
+                   for k, v in raw.get("collectives", {}).items()}
+    notes = [f"{k}: {v['latency_us']:.0f} us + bytes / {v['busbw_gbs']:.2f} GB/s" for k, v in collectives.items()]
+    profile = HardwareProfile(gpu=spec, dtype_tflops=best, matmul_curve=raw["matmul"], attention_tflops_fraction=1.0,
+                           mem_bw_gbs=raw["mem_bw_gbs"], op_overhead_us=raw["overheads"], overhead_overlaps=not on_cpu,
+                           collectives=collectives, link_gbs={"intra": p2p, "inter": p2p},
+                           latency_us={"intra": collectives.get("p2p", {}).get("latency_us", 10.0),
+                                       "inter": collectives.get("p2p", {}).get("latency_us", 10.0)},
+                           overlap=raw.get("overlap", 0.5), calibrated=True,
+                           framework_us={"dtensor_op": 0.0, "fsdp_param": 0.0, "pp_microbatch": 0.0,
+                                         **raw.get("framework", {})},
+                           source=f"calibrated ({raw['backend']}, {raw['world']} processes)", notes=notes)
+    predicted = predict_reference(profile, raw["device_type"])
+    if predicted > 0 and raw.get("reference_step_s"):
+        profile.compute_scale = raw["reference_step_s"] / predicted
+        profile.notes.append(f"reference step: measured {raw['reference_step_s'] * 1e3:.1f} ms vs "
+                             f"{predicted * 1e3:.1f} ms from the op-level figures: compute scaled by "
+                             f"{profile.compute_scale:.2f}")
+    return profile

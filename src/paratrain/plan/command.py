@@ -1,0 +1,169 @@
+"""The `paratrain plan` command behind the CLI: resolve model, hardware and fixed choices; plan; format."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from paratrain.errors import UserError
+from paratrain.plan.hardware import (
+    HardwareProfile,
+    custom_gpu,
+    default_profile_path,
+    get_gpu,
+    load_profile,
+    profile_from_spec,
+    with_cluster_overrides,
+)
+from paratrain.plan.layout import zero_stage_of
+from paratrain.plan.search import Job
+
+log = logging.getLogger("paratrain")
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def resolve_model(model: str | None, hf_config: str | None):
+    if bool(model) == bool(hf_config):
+        raise UserError("give exactly one of --model PRESET or --hf-config config.json")
+    if hf_config:
+        from paratrain.plan.hf_config import load_hf_config
+
+        args = load_hf_config(hf_config)
+        return args, args.name
+    from paratrain.models.presets import get_preset
+
+    return get_preset(model), model
+
+
+def resolve_hardware(o: dict, dtype: str) -> HardwareProfile:
+    """--hardware FILE, else --gpu NAME (catalog), else custom figures; cluster overrides on top."""
+    custom = [o.get(k) for k in ("peak_tflops", "mem_gib", "intra_node_gbs", "inter_node_gbs")]
+    if o.get("hardware"):
+        profile = load_profile(o["hardware"])
+    elif o.get("gpu"):
+        spec = get_gpu(o["gpu"])
+        if o.get("mem_gib"):
+            spec = dataclasses.replace(spec, mem_gib=float(o["mem_gib"]))
+        profile = profile_from_spec(spec)
+    elif any(v is not None for v in custom):
+        profile = profile_from_spec(custom_gpu(o.get("peak_tflops"), o.get("mem_gib"), o.get("intra_node_gbs"),
+                                               o.get("inter_node_gbs"), dtype))
+    else:
+        raise UserError("give --gpu NAME (see --help), --hardware PROFILE.json, or custom hardware "
+                        "(--peak-tflops --mem-gib --intra-node-gbs --inter-node-gbs)")
+    gpus, nodes = o["gpus"], o.get("nodes")
+    per_node = None
+    if nodes:
+        if gpus % nodes:
+            raise UserError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
+        per_node = gpus // nodes
+    spec = with_cluster_overrides(profile.gpu, gpus_per_node=per_node,
+                                  intra=o.get("intra_node_gbs") if o.get("gpu") or o.get("hardware") else None,
+                                  inter=o.get("inter_node_gbs") if o.get("gpu") or o.get("hardware") else None)
+    if spec is not profile.gpu:
+        profile = dataclasses.replace(profile, gpu=spec)
+        if not profile.calibrated:
+            profile = dataclasses.replace(profile_from_spec(spec), notes=profile.notes)
+    if dtype not in profile.gpu.peak_tflops:
+        raise UserError(f"{profile.gpu.name} has no {dtype} peak (known: {', '.join(profile.gpu.peak_tflops)})")
+    return profile
+
+
+def fixed_choices(o: dict) -> dict:
+    ac, sched = o.get("ac"), o.get("pp_schedule")
+    if ac is not None and ac not in AC_MODES:
+        raise UserError(f"--ac must be one of {', '.join(AC_MODES)}, got {ac!r}")
+    if sched is not None and sched not in SCHEDULES:
+        raise UserError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {sched!r}")
+    if o.get("cp_impl") not in (None, "ring", "ulysses"):
+        raise UserError(f"--cp-impl must be ring or ulysses, got {o['cp_impl']!r}")
+    for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
+        if o.get(k) is not None and o[k] < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {o[k]}")
+    fixed = {k: o.get(k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "ac", "sp",
+                                     "pp_schedule", "virtual_stages", "cp_impl")}
+    strategy = o.get("strategy")
+    if strategy:
+        from paratrain.parallel.dims import STRATEGY_TABLE
+
+        if strategy not in STRATEGY_TABLE:
+            raise UserError(f"unknown --strategy {strategy!r}; known: {', '.join(STRATEGY_TABLE)}")
+        if strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"):
+            fixed["zero_stage"] = zero_stage_of(strategy)
+        if strategy in ("ddp", "zero1") and fixed["dp_shard"] is None:
+            fixed["dp_shard"] = 1
+        if strategy in ("tp", "tp-sp") and fixed["sp"] is None:
+            fixed["sp"] = strategy == "tp-sp"
+        if strategy.startswith("cp-"):
+            fixed["cp_impl"] = strategy[3:]
+    product = 1
+    for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        product *= fixed[k] or 1
+    if o["gpus"] % product:
+        raise UserError(f"the fixed degrees multiply to {product}, which does not divide --gpus {o['gpus']}")
+    return fixed
+
+
+def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
+    args, name = resolve_model(o.get("model"), o.get("hf_config"))
+    dtype = o.get("dtype") or "bf16"
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise UserError(f"--dtype must be bf16, fp16 or fp32, got {dtype!r}")
+    if o.get("gpus") is None or o["gpus"] < 1:
+        raise UserError("--gpus N (>= 1) is required")
+    hw = resolve_hardware(o, dtype)
+    seq = o.get("seq_len") or args.max_seq_len
+    if seq > args.max_seq_len:
+        if args.family == "gpt2":
+            raise UserError(f"--seq-len {seq} exceeds the model's {args.max_seq_len} learned positions")
+        args = dataclasses.replace(args, max_seq_len=seq)
+    batch = o.get("global_batch") or max(16, o["gpus"])
+    device = "cpu" if hw.gpu.name == "cpu" else "cuda"
+    job = Job(args=args, model_name=name, gpus=o["gpus"], seq_len=seq, global_batch=batch, dtype=dtype,
+              device_type=device)
+    return job, hw, fixed_choices(o)
+
+
+def calibrate_and_save(o: dict) -> tuple[HardwareProfile, str]:
+    from paratrain.plan.calibrate import calibrate
+
+    nproc = o.get("nproc") or 2
+    profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0)
+    path = o.get("hardware") or str(default_profile_path())
+    profile.save(path)
+    return profile, path
+
+
+def format_plan(doc: dict) -> str:
+    """The human view (stderr): one line per candidate, then the first candidate's reasons."""
+    c = doc["cluster"]
+    lines = [f"plan: {doc['model']['name']} ({doc['model']['params'] / 1e9:.2f} B params) on {c['gpus']} x {c['gpu']} "
+             f"({c['nodes']} node(s) x {c['gpus_per_node']}), seq {doc['job']['seq_len']}, global batch "
+             f"{doc['job']['global_batch']}, {doc['job']['dtype']}",
+             f"  hardware: {c['profile']}", f"  cluster: {c['assumptions']}"]
+    if not doc["fits"]:
+        lines.append("  " + doc["message"])
+    header = f"  {'#':>2} {'strategy':<10} {'dims':<34} {'mb x n':>7} {'ac':<9} {'mem GiB':>8} {'step s':>8} " \
+             f"{'tok/s/dev':>10} {'MFU':>6}  fits"
+    lines.append(header)
+    for i, cand in enumerate(doc["candidates"]):
+        dims = " ".join(f"{k}={v}" for k, v in cand["dims"].items() if v > 1) or "-"
+        if cand.get("cp_impl"):
+            dims += f" {cand['cp_impl']}"
+        if cand.get("pp_schedule"):
+            dims += f" {cand['pp_schedule']}"
+        step = f"{cand['step_time_s']:.3g}" if cand["step_time_s"] else "-"
+        tps = f"{cand['tokens_per_s_per_device']:.4g}" if cand["tokens_per_s_per_device"] else "-"
+        mfu = f"{cand['mfu']:.1%}" if cand.get("mfu") is not None else "-"
+        mem = cand["memory_gib"]["total"] if cand["memory_gib"] else math.nan
+        lines.append(f"  {i:>2} {cand['strategy']:<10} {dims:<34} {cand['micro_batch']:>3}x{cand['microbatches']:<3} "
+                     f"{cand['activation_checkpointing']:<9} {mem:>8.2f} {step:>8} {tps:>10} {mfu:>6}  "
+                     f"{'yes' if cand['feasible'] else 'no'}")
+    if doc["candidates"]:
+        first = doc["candidates"][0]
+        lines.append("  why #0:" if doc["fits"] else "  closest (#0):")
+        lines += [f"    - {r}" for r in first["reasons"]]
+        lines.append(f"  run it: {first['command']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,62 @@
+"""Read a Hugging Face `config.json` into ModelArgs (plan --hf-config): GPT-2 style or Llama style.
+
+Only the shape is read, as data (json), never code; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from paratrain.errors import UserError
+from paratrain.models.llama import ModelArgs
+
+LLAMA_TYPES = ("llama", "mistral")
+
+
+def _need(doc: dict, key: str, path: str):
+    if key not in doc or doc[key] is None:
+        raise UserError(f"{path}: a {doc.get('model_type')} config needs {key!r}")
+    value = doc[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{path}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def args_from_hf_config(doc: dict, path: str = "config.json") -> ModelArgs:
+    kind = doc.get("model_type")
+    name = str(doc.get("_name_or_path") or Path(path).parent.name or kind or "hf-model") or "hf-model"
+    if kind == "gpt2":
+        dim = _need(doc, "n_embd", path)
+        inner = doc.get("n_inner")
+        return ModelArgs(name=name, family="gpt2", vocab_size=_need(doc, "vocab_size", path), dim=dim,
+                         n_layers=_need(doc, "n_layer", path), n_heads=_need(doc, "n_head", path),
+                         ffn_dim=int(inner) if inner else 4 * dim, max_seq_len=_need(doc, "n_positions", path),
+                         norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)),
+                         tie_embeddings=bool(doc.get("tie_word_embeddings", True)))
+    if kind in LLAMA_TYPES:
+        heads = _need(doc, "num_attention_heads", path)
+        kv = doc.get("num_key_value_heads") or heads
+        args = ModelArgs(name=name, family="llama", vocab_size=_need(doc, "vocab_size", path),
+                         dim=_need(doc, "hidden_size", path), n_layers=_need(doc, "num_hidden_layers", path),
+                         n_heads=heads, n_kv_heads=int(kv), ffn_dim=_need(doc, "intermediate_size", path),
+                         max_seq_len=int(doc.get("max_position_embeddings") or 4096),
+                         norm_eps=float(doc.get("rms_norm_eps", 1e-5)), rope_theta=float(doc.get("rope_theta", 10000.0)))
+        if args.dim % heads or heads % args.kv_heads:
+            raise UserError(f"{path}: hidden_size {args.dim} / {heads} heads / {args.kv_heads} kv heads do not divide")
+        return args
+    raise UserError(f"{path}: model_type {kind!r} is not supported; --hf-config reads gpt2 and "
+                    f"{', '.join(LLAMA_TYPES)} configs")
+
+
+def load_hf_config(path: str | Path) -> ModelArgs:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read --hf-config {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--hf-config {path} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"--hf-config {path} must hold a JSON object")
+    return args_from_hf_config(doc, str(path))

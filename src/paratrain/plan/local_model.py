@@ -1,0 +1,346 @@
+"""What one rank holds: the real model, cut down to this rank's shard, for the planner to trace on fake tensors.
+
+TP reads the model family's own plan (models/plans.py) and shrinks every Colwise/Rowwise layer to its local
+shape; the collectives the DTensor styles would run are simulated in hooks by ops that allocate what the
+real ones allocate (a sequence all-gather makes a full-length tensor, a reduce-scatter a 1/tp one), and each
+is logged with its payload. CP runs the real ring / Ulysses attention code over a simulated group. AC applies
+the real apply_ac. So what the trace saves for backward is what the runtime would save, shard for shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.models.llama import ModelArgs
+
+STAGE_PARTS = ("whole", "first", "middle", "last")
+
+
+@dataclass
+class CommLog:
+    """Collectives one forward + backward would issue: (kind, payload bytes, group) per call."""
+
+    fwd: list[tuple[str, int, str]] = field(default_factory=list)
+    bwd: list[tuple[str, int, str]] = field(default_factory=list)
+    active: bool = True
+    in_comm: bool = False  # ops run while True simulate communication, not compute
+    phase: str = "fwd"  # set by the tracer: which pass is running now
+    op_weight: int = 1  # ops run now stand for this many identical ones (a loop traced once)
+    dtensor: set | None = None  # storages that would be DTensors under TP (their ops pay DTensor dispatch)
+
+    def tag(self, t) -> None:
+        if self.dtensor is not None and isinstance(t, torch.Tensor):
+            self.dtensor.add(id(t.untyped_storage()))
+
+    def untag(self, t) -> None:
+        if self.dtensor is not None and isinstance(t, torch.Tensor):
+            self.dtensor.discard(id(t.untyped_storage()))
+
+    def is_dtensor(self, tensors) -> bool:
+        return self.dtensor is not None and any(id(t.untyped_storage()) in self.dtensor for t in tensors)
+
+    def add(self, kind: str, nbytes: int, group: str, mirrored: bool = False) -> None:
+        """Log a collective issued now; `mirrored` ones are the backward twin of a forward collective, logged
+        when the forward runs (a recomputation in the backward issues only the forward ones again)."""
+        if not self.active or (mirrored and self.phase == "bwd"):
+            return
+        (self.bwd if mirrored or self.phase == "bwd" else self.fwd).append((kind, int(nbytes), group))
+
+    @contextlib.contextmanager
+    def simulating(self):
+        prev, self.in_comm = self.in_comm, True
+        try:
+            yield
+        finally:
+            self.in_comm = prev
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# -- tensor parallel -------------------------------------------------------------------------------------------
+def _is_shard(layout, dim: int | None = None) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(layout, Shard) and (dim is None or layout.dim == dim)
+
+
+def _is_replicate(layout) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return isinstance(layout, Replicate)
+
+
+def _shrink(module: nn.Module, colwise: bool, tp: int) -> None:
+    """Give a Linear / Embedding the local shape a Colwise / Rowwise style would leave on one rank."""
+    w = module.weight
+    if isinstance(module, nn.Linear):
+        shape = (w.shape[0] // tp, w.shape[1]) if colwise else (w.shape[0], w.shape[1] // tp)
+    else:  # nn.Embedding: colwise splits the embedding dim, rowwise the vocabulary
+        shape = (w.shape[0], w.shape[1] // tp) if colwise else (w.shape[0] // tp, w.shape[1])
+    module.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype))
+    bias = getattr(module, "bias", None)
+    if bias is not None and colwise:
+        module.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype))
+
+
+def _gather_seq(x: torch.Tensor, tp: int, log: CommLog) -> torch.Tensor:
+    with log.simulating():
+        full = x.repeat(1, tp, *([1] * (x.dim() - 2)))
+    log.add("all_gather", _nbytes(full), "tp")
+    log.add("reduce_scatter", _nbytes(full), "tp", mirrored=True)
+    return full
+
+
+def _scatter_seq(x: torch.Tensor, tp: int, log: CommLog) -> torch.Tensor:
+    with log.simulating():
+        local = x.narrow(1, 0, x.shape[1] // tp).clone()
+    log.add("reduce_scatter", _nbytes(x), "tp")
+    log.add("all_gather", _nbytes(x), "tp", mirrored=True)
+    return local
+
+
+def _all_reduce(x: torch.Tensor, log: CommLog) -> torch.Tensor:
+    with log.simulating():
+        out = x.clone()
+    log.add("all_reduce", _nbytes(out), "tp")
+    return out
+
+
+def _gather_last(x: torch.Tensor, tp: int, log: CommLog) -> torch.Tensor:
+    with log.simulating():
+        full = x.repeat(*([1] * (x.dim() - 1)), tp)
+    log.add("all_gather", _nbytes(full), "tp")
+    return full
+
+
+def simulate_tp(model: nn.Module, plan: dict, tp: int, log: CommLog) -> None:
+    """Shrink the layers a TP plan shards and hook in the collectives its styles would run."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+    )
+
+    from paratrain.parallel.tensor_parallel import match_modules
+
+    def halves(style) -> tuple:
+        """(input style, output style) of a layout-preparing style (PrepareModuleInputOutput has both)."""
+        if hasattr(style, "prepare_module_input"):
+            return style.prepare_module_input, style.prepare_module_output
+        return (style if isinstance(style, PrepareModuleInput) else None,
+                style if isinstance(style, PrepareModuleOutput) else None)
+
+    prepared = set()
+    for path, style in plan.items():
+        if halves(style)[0] is not None:
+            prepared.update(name for name, _ in match_modules(model, path))
+
+    def under_prepared(name: str) -> bool:
+        return any(name.startswith(p + ".") for p in prepared)
+
+    for path, style in plan.items():
+        for name, module in match_modules(model, path):
+            into, out_of = halves(style)
+            if into is not None or out_of is not None:
+                if into is not None:
+                    module.register_forward_pre_hook(_prepare_input_hook(into, tp, log))
+                if out_of is not None:
+                    module.register_forward_hook(_prepare_output_hook(out_of, tp, log))
+            elif isinstance(style, ColwiseParallel):
+                _shrink(module, True, tp)
+                module.register_forward_pre_hook(_colwise_pre_hook(style, tp, log, not under_prepared(name)))
+                if _is_replicate(style.output_layouts[0]):
+                    module.register_forward_hook(lambda m, a, out: _gather_last(out, tp, log))
+            elif isinstance(style, RowwiseParallel):
+                _shrink(module, False, tp)
+                out_layout = style.output_layouts[0]
+                if _is_shard(out_layout, 1):
+                    module.register_forward_hook(lambda m, a, out: _scatter_seq(out, tp, log))
+                elif _is_replicate(out_layout):
+                    module.register_forward_hook(lambda m, a, out: _all_reduce(out, log))
+            # SequenceParallel / ReplicateParallel: parameters whole, activations already local: no comm
+            _track_dtensor_boundary(module, style, log)
+
+
+def _redistribute(x: torch.Tensor, have, want, tp: int, log: CommLog, feeds_colwise: bool) -> torch.Tensor:
+    """What a DTensor layout change allocates and sends: Shard(1) -> Replicate all-gathers the sequence,
+    Replicate -> Shard(1) keeps this rank's slice (free); a replicated input of colwise layers has its
+    gradient all-reduced in backward."""
+    if _is_shard(have, 1) and _is_replicate(want):
+        return _gather_seq(x, tp, log)
+    if _is_replicate(have) and _is_shard(want, 1):
+        return x.narrow(1, 0, x.shape[1] // tp)
+    if _is_replicate(have) and _is_replicate(want) and feeds_colwise:
+        log.add("all_reduce", _nbytes(x), "tp", mirrored=True)
+    return x
+
+
+def _track_dtensor_boundary(module: nn.Module, style, log: CommLog) -> None:
+    """Inputs a style wraps become DTensors; outputs it hands back as local tensors stop being ones."""
+    if log.dtensor is None:
+        return
+    for p in module.parameters(recurse=False):
+        log.tag(p)
+
+    def pre(mod, args):
+        for a in args:
+            log.tag(a)
+
+    def post(mod, args, out):
+        local = getattr(style, "use_local_output", None)
+        if local is None and hasattr(style, "prepare_module_output"):
+            local = style.prepare_module_output.use_local_output
+        if local or type(style).__name__ == "ReplicateParallel":
+            log.untag(out)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
+def _prepare_input_hook(style, tp: int, log: CommLog):
+    def hook(module, args):
+        if getattr(style, "input_layouts", None) is None:
+            return None
+        out = list(args)
+        for i, (have, want) in enumerate(zip(style.input_layouts, style.desired_input_layouts)):
+            if i >= len(out) or have is None or want is None or not isinstance(out[i], torch.Tensor):
+                continue
+            out[i] = _redistribute(out[i], have, want, tp, log, feeds_colwise=True)
+        return tuple(out)
+
+    return hook
+
+
+def _prepare_output_hook(style, tp: int, log: CommLog):
+    def hook(module, args, out):
+        if not isinstance(out, torch.Tensor):
+            return None
+        have, want = style.output_layouts[0], style.desired_output_layouts[0]
+        if have is None or want is None:
+            return None
+        return _redistribute(out, have, want, tp, log, feeds_colwise=False)
+
+    return hook
+
+
+def _colwise_pre_hook(style, tp: int, log: CommLog, owns_input: bool):
+    def hook(module, args):
+        if not owns_input or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        layout = style.input_layouts[0]
+        if _is_shard(layout, 1):
+            return (_gather_seq(args[0], tp, log),) + tuple(args[1:])
+        log.add("all_reduce", _nbytes(args[0]), "tp", mirrored=True)
+        return None
+
+    return hook
+
+
+# -- context parallel --------------------------------------------------------------------------------------------
+class _SimRing:
+    """Stands in for ring_attention._Ring: same size and rank, shifts allocate the receive buffer only."""
+
+    size = 1
+    rank = 0
+    log: CommLog | None = None
+
+    def __init__(self, group):
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def shift(self, tensor: torch.Tensor, tag: int):
+        recv = torch.empty_like(tensor)
+        if self.log is not None:
+            self.log.add("p2p", _nbytes(tensor), "cp")
+        return recv, []
+
+
+class _SimDist:
+    """Stands in for torch.distributed inside ulysses.py: a group of `size`, all-to-all as a local copy."""
+
+    def __init__(self, size: int, log: CommLog):
+        self.size, self.log = size, log
+
+    def get_world_size(self, group=None) -> int:
+        return self.size
+
+    def all_to_all_single(self, out, inp, group=None):
+        self.log.add("all_to_all", _nbytes(inp), "cp")
+
+
+@contextlib.contextmanager
+def simulated_cp(cp: int, log: CommLog):
+    """Run the real ring / Ulysses code against a simulated cp group (module globals patched, restored)."""
+    from paratrain.parallel import ring_attention, ulysses
+
+    ring_cls = type("SimRing", (_SimRing,), {"size": cp, "rank": 0, "log": log})
+    row_tiles = getattr(ring_attention, "_row_tiles", None)
+
+    def first_tile_only(*args):
+        # the tiles of one block are alike: trace the first and count its ops once per tile
+        tiles = list(row_tiles(*args))
+        if not tiles:
+            return
+        log.op_weight = len(tiles)
+        try:
+            yield tiles[0]
+        finally:
+            log.op_weight = 1
+
+    saved = ring_attention._Ring, ulysses.dist, row_tiles
+    ring_attention._Ring, ulysses.dist = ring_cls, _SimDist(cp, log)
+    if row_tiles is not None:
+        ring_attention._row_tiles = first_tile_only
+    try:
+        yield
+    finally:
+        ring_attention._Ring, ulysses.dist = saved[:2]
+        if row_tiles is not None:
+            ring_attention._row_tiles = row_tiles
+
+
+def cp_attention(impl: str):
+    from paratrain.parallel.ring_attention import ring_attention
+    from paratrain.parallel.ulysses import ulysses_attention
+
+    fn = ring_attention if impl == "ring" else ulysses_attention
+    return lambda q, k, v: fn(q, k, v, group=None)
+
+
+# -- the rank's model --------------------------------------------------------------------------------------------
+def stage_args(args: ModelArgs, layers: int) -> ModelArgs:
+    return dataclasses.replace(args, n_layers=layers)
+
+
+def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool, cp: int, cp_impl: str, ac: str,
+                      log: CommLog) -> nn.Module:
+    """The model one rank runs, on whatever fake/meta mode is active: `layers` blocks, this pipeline `part`,
+    TP-local shapes with simulated collectives, CP attention, activation checkpointing."""
+    from paratrain.models.presets import build_model
+
+    model = build_model(stage_args(args, layers), "cpu", seed=None)
+    if part in ("middle", "last"):
+        model.tok_embeddings = None
+    if part in ("first", "middle"):
+        model.norm = None
+        model.output = None
+    if tp > 1:
+        from paratrain.models.plans import tp_plan_for
+
+        simulate_tp(model, tp_plan_for(model, tp, sp=sp), tp, log)
+    if cp > 1:
+        attn = cp_attention(cp_impl)
+        for block in model.layers.values():
+            block.attention.attn_fn = attn
+    if ac != "none":
+        from paratrain.parallel.activation_checkpoint import apply_ac
+
+        apply_ac(model, ac)
+    return model

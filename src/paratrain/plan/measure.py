@@ -1,0 +1,162 @@
+"""Measure what the planner predicts, on this machine: per-rank peak memory (live-tensor tracker on CPU,
+torch.cuda.max_memory_allocated on GPU) and step time, for a list of configs in one process group.
+
+    run_workers(measure_worker, ([cfg.model_dump(), ...], {"steps": 4, "memory": True}), nproc)
+
+Every config runs on ranks 0..world-1 of that config (a 1-rank config only on rank 0; the rest wait).
+Returns, on rank 0, one dict per config: {"peak_bytes": [per rank], "step_times": [...], "error": ...}.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False) -> dict:
+    from paratrain.parallel.dims import ParallelDims
+    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.train.trainer import Trainer, dims_for
+
+    world = 1 if cfg.strategy == "single" else rt.world_size
+    dims = ParallelDims(world_size=1) if world == 1 else dims_for(cfg, world)
+    cuda = rt.device_type == "cuda"
+    holder: dict = {}
+
+    def breakdown() -> dict:
+        """What the peak is made of (CPU tracker only): parameters, gradients, optimizer state, the rest."""
+        trainer = holder.get("trainer")
+        if trainer is None:
+            return {}
+        params = [p for part in trainer.step_runner.model_parts for p in part.parameters()]
+        states = [t for opt in trainer.optimizers for s in getattr(opt, "optim", opt).state.values()
+                  for t in s.values() if torch.is_tensor(t)]
+        return {"params": tracker.bytes_of(params), "grads": tracker.bytes_of([p.grad for p in params]),
+                "optimizer": tracker.bytes_of(states)}
+
+    tracker = LiveTensorTracker(on_peak=breakdown if opts_breakdown else None) if (memory and not cuda) else None
+    if tracker is not None:
+        tracker.__enter__()
+    try:
+        trainer = Trainer(cfg, rt, None, quiet=True, dims=dims)
+        holder["trainer"] = trainer
+        times = []
+        for step in range(steps):
+            micro = trainer.source.next_step()
+            if step == steps - 1:  # the last step, with every buffer and optimizer state in place
+                if tracker is not None:
+                    tracker.reset_peak()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            trainer.train_step(micro)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        peak = tracker.peak if tracker is not None else (torch.cuda.max_memory_allocated() if cuda else None)
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    info = tracker.peak_info if tracker is not None else None
+    holder.clear()
+    del trainer
+    gc.collect()
+    return {"peak_bytes": peak, "step_times": times, "peak_breakdown": info}
+
+
+def measure_worker(cfg_dicts: list[dict], opts: dict | None = None) -> list[dict] | None:
+    from paratrain.config import TrainConfig
+    from paratrain.errors import UserError
+    from paratrain.train.runtime import init_runtime, shutdown
+
+    opts = opts or {}
+    steps, memory = int(opts.get("steps", 3)), bool(opts.get("memory", True))
+    torch.manual_seed(0)
+    rt = init_runtime(opts.get("device", "cpu"), float(opts.get("timeout_s", 120)))
+    out = []
+    try:
+        for cfg_dict in cfg_dicts:
+            cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False})
+            world = 1 if cfg.strategy == "single" else rt.world_size
+            row: dict = {"strategy": cfg.strategy, "world": world}
+            if rt.rank < world:
+                try:
+                    row.update(_measure_one(cfg, rt, steps, memory, bool(opts.get("breakdown"))))
+                except UserError as exc:
+                    row["error"] = str(exc)
+            rows = [None] * rt.world_size if rt.world_size > 1 else [row]
+            if rt.world_size > 1:
+                dist.all_gather_object(rows, row)
+            if rt.rank == 0:
+                ranks = [r for r in rows[:world] if r]
+                merged = {"strategy": cfg.strategy, "world": world,
+                          "peak_bytes": [r.get("peak_bytes") for r in ranks],
+                          "step_times": [r.get("step_times") for r in ranks],
+                          "peak_breakdown": [r.get("peak_breakdown") for r in ranks],
+                          "error": next((r["error"] for r in ranks if "error" in r), None)}
+                out.append(merged)
+    finally:
+        shutdown()
+    return out if rt.rank == 0 else None
+
+
+def measure(cfgs: list, nproc: int, steps: int = 3, memory: bool = True, timeout_s: float = 120.0,
+            breakdown: bool = False) -> list[dict]:
+    """Run measure_worker over `nproc` local processes; one result dict per config (see module doc)."""
+    from paratrain.train.launch import run_workers
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dicts = [c.model_dump() if hasattr(c, "model_dump") else dict(c) for c in cfgs]
+    results = run_workers(measure_worker, (dicts, {"steps": steps, "memory": memory, "timeout_s": timeout_s,
+                                                   "breakdown": breakdown}), nproc,
+                          0, timeout_s)
+    return results[0]
+
+
+def timing_worker(cfg_dicts: list[dict], opts: dict) -> list[dict] | None:
+    """Step times of several configs measured in interleaved rounds (one step of each config per round), so a
+    shared machine's changing load falls on every config alike. Every config must use the whole world."""
+    from paratrain.config import TrainConfig
+    from paratrain.train.runtime import init_runtime, shutdown
+    from paratrain.train.trainer import Trainer
+
+    rt = init_runtime(opts.get("device", "cpu"), float(opts.get("timeout_s", 120)))
+    warmup, rounds = int(opts.get("warmup", 2)), int(opts.get("rounds", 5))
+    try:
+        trainers = []
+        for cfg_dict in cfg_dicts:
+            cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False})
+            trainers.append(Trainer(cfg, rt, None, quiet=True))
+        times = [[] for _ in trainers]
+        for r in range(warmup + rounds):
+            for i, trainer in enumerate(trainers):
+                micro = trainer.source.next_step()
+                dist.barrier()
+                t0 = time.perf_counter()
+                trainer.train_step(micro)
+                if rt.device_type == "cuda":
+                    torch.cuda.synchronize()
+                if r >= warmup:
+                    times[i].append(time.perf_counter() - t0)
+        rows = [None] * rt.world_size
+        dist.all_gather_object(rows, times)
+    finally:
+        shutdown()
+    if rt.rank != 0:
+        return None
+    # a step ends when its slowest rank ends
+    return [{"strategy": c["strategy"], "step_times": [max(r[i][k] for r in rows) for k in range(rounds)]}
+            for i, c in enumerate(cfg_dicts)]
+
+
+def measure_times(cfgs: list, nproc: int, rounds: int = 5, warmup: int = 2, timeout_s: float = 300.0) -> list[dict]:
+    from paratrain.train.launch import run_workers
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dicts = [c.model_dump() if hasattr(c, "model_dump") else dict(c) for c in cfgs]
+    opts = {"rounds": rounds, "warmup": warmup, "timeout_s": timeout_s}
+    return run_workers(timing_worker, (dicts, opts), nproc, 0, timeout_s)[0]

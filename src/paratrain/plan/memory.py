@@ -1,0 +1,227 @@
+"""Per-rank memory of a layout: parameters, gradients, optimizer state, activations and the rest, at the peak.
+
+Activations and temporaries come from tracing the actual model (trace.py), shard for shard; this file adds
+what the trace does not run: the data-parallel wrapper (DDP's gradient buckets, ZeRO-1's optimizer shard,
+FSDP2's sharded states and the unsharded parameters it gathers), and the pipeline (micro-batches in flight
+per schedule, and torch.distributed.pipelining's per-micro-batch receive buffers).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from paratrain.models.llama import ModelArgs
+from paratrain.plan.layout import Layout
+from paratrain.plan.trace import PhasePeak, Trace, TraceKey, trace
+
+GIB = 2**30
+
+
+def model_state_bytes(n_params: float, dp: int, stage: int, k_optimizer: float = 12, param_bytes: float = 2,
+                      grad_bytes: float = 2) -> dict[str, float]:
+    """Model states per rank (the ZeRO paper, Rajbhandari et al. 2020, section 5): parameters, gradients and
+    K bytes of optimizer state per parameter; stage 1 shards the optimizer state, 2 also the gradients,
+    3 also the parameters, each over `dp` ranks. Mixed-precision Adam: 2 + 2 + 12 bytes per parameter."""
+    p, g, o = param_bytes * n_params, grad_bytes * n_params, k_optimizer * n_params
+    if stage >= 1:
+        o /= dp
+    if stage >= 2:
+        g /= dp
+    if stage >= 3:
+        p /= dp
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the busiest rank at its peak. The parts add up to `total`."""
+
+    params: float = 0
+    grads: float = 0
+    optimizer: float = 0
+    activations: float = 0
+    other: float = 0
+    phase: str = ""  # where the peak falls: forward/backward, or the optimizer step
+    per_stage: list[dict] = field(default_factory=list)  # pipeline: every stage rank's total
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def gib(self) -> dict[str, float]:
+        parts = {k: getattr(self, k) / GIB for k in ("params", "grads", "optimizer", "activations", "other")}
+        return {**{k: round(v, 4) for k, v in parts.items()}, "total": round(self.total / GIB, 4)}
+
+
+@dataclass
+class ChunkMemory:
+    """One model part on one rank, after the data-parallel wrapper: persistent states and step peaks."""
+
+    params: float
+    optimizer: float
+    grads: float  # gradients alive during forward/backward of a later micro-batch (and at the step)
+    act_per_mb: float  # activations one in-flight micro-batch keeps for its backward
+    fb: PhasePeak  # the forward/backward peak of one micro-batch, traced and adjusted
+    opt_rest: float  # optimizer-step temporaries
+    extra: float  # resident buffers: unsharded FSDP params held, DDP buckets
+    io_in: int
+    io_out: int
+
+
+def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
+    return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
+                    sp=layout.sp and layout.tp > 1, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
+                    dtype=dtype, device_type=device_type, accumulate=layout.microbatches > 1)
+
+
+def _autocast_weight_copies(tr: Trace, layers: int, dtype: str) -> float:
+    """Autocast keeps a low-precision copy of every matmul weight from forward to backward; FSDP's bf16 policy
+    gathers bf16 weights instead, so these copies are not made there."""
+    if dtype == "fp32":
+        return 0.0
+    return tr.scalar("params", layers) / 2  # fp32 -> 16-bit: half the (matmul-dominated) parameter bytes
+
+
+def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int, dtype: str,
+                 device_type: str, notes: list[str]) -> ChunkMemory:
+    tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
+    P, OPT, G = (tr.scalar(n, layers) for n in ("params", "optimizer", "grads"))
+    A = tr.scalar("activations", layers)
+    fb = tr.phase("next_mb" if layout.microbatches > 1 else "first_mb", layers)
+    opt = tr.phase("optimizer", layers)
+    opt_rest = max(0.0, opt.rest)
+    grads_live, extra = float(fb.grads), 0.0
+    if layout.fsdp:
+        f = layout.shard_degree
+        mixed = dtype == "bf16"
+        per_param = 2.0 if mixed else 4.0  # FSDP's unsharded copies are in the mixed-precision param dtype
+        unsharded_all = P / 4.0 * per_param
+        per_block = (tr.hi.params - tr.lo.params) / max(tr.hi.layers - tr.lo.layers, 1) / 4.0 * per_param
+        head = part in ("whole", "last")
+        if layout.zero_stage == 2:
+            held = unsharded_all  # reshard_after_forward=False: every gathered parameter waits for backward
+        else:
+            # ZeRO-3 gathers a group for its forward and again for its backward, and prefetches the next one.
+            # The traced peak (often the loss over the logits, when the head is already resharded) competes
+            # with the moments each group is gathered: take the highest.
+            head_bytes = (args.vocab_size * args.dim / layout.tp + args.dim) * per_param if head else 0.0
+            # a group being gathered exists twice for a moment (all-gather buffer + unsharded copy), next to
+            # the group in use (or the one prefetched)
+            moments = [tr.scalar("block_fwd_mark", layers) + 3 * per_block,
+                       tr.scalar("block_bwd_mark", layers) + 3 * per_block]
+            if head:
+                moments.append(tr.scalar("head_bwd_mark", layers) + 2 * head_bytes + per_block)
+            # the marks come from the first micro-batch; later ones also hold the accumulated gradients
+            accumulated = fb.grads - tr.phase("first_mb", layers).grads
+            traced_peak = fb.total - OPT  # the marks were taken without optimizer state
+            held = max(0.0, max(moments) + accumulated - traced_peak)
+        if mixed:
+            fb.rest = max(0.0, fb.rest - _autocast_weight_copies(tr, layers, dtype))
+        # gradients at the peak are the unsharded ones being computed (or accumulated unsynced over micro-batches)
+        # exactly as traced; the sharded ones appear only after each block's reduce-scatter
+        grads_live = float(fb.grads)
+        P, OPT, G = P / f, OPT / f, G / f
+        opt_rest /= f
+        extra = held
+        notes.append(f"FSDP shards params/grads/optimizer {f} ways; {held / GIB:.2f} GiB of unsharded "
+                     f"{'bf16' if mixed else 'fp32'} parameters held at the peak")
+    elif layout.ddp or layout.dp_replicate > 1:
+        # DDP's buckets (gradient_as_bucket_view) hold one copy of the gradients for the whole run; gradients
+        # accumulated under no_sync, and those just computed, are separate tensors until copied in
+        grads_live = float(fb.grads) + G
+        if layout.zero_stage == 1:
+            OPT /= layout.dp
+            opt_rest /= layout.dp
+    fb = PhasePeak(total=0, params=P, grads=grads_live, optimizer=OPT, rest=fb.rest)
+    return ChunkMemory(params=P, optimizer=OPT, grads=G, act_per_mb=A, fb=fb,
+                       opt_rest=opt_rest, extra=extra, io_in=tr.lo.io_bytes if part in ("middle", "last") else 0,
+                       io_out=tr.lo.io_bytes if part in ("first", "middle") else 0)
+
+
+def _from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbatches: int, pipelined: bool) -> dict:
+    """The rank's peak from its chunks: forward/backward (with micro-batches in flight) vs the optimizer step."""
+    params = sum(c.params for c in chunks)
+    opt = sum(c.optimizer for c in chunks)
+    extra = sum(c.extra for c in chunks)
+    buffers = 0.0
+    if pipelined:
+        # torch.distributed.pipelining allocates one activation receive buffer (non-first stages) and one
+        # gradient receive buffer (non-last stages) per micro-batch; the trace already holds one of each
+        buffers = sum((microbatches - 1) * (c.io_in + c.io_out) for c in chunks)
+    held_acts = sum((k - 1) * c.act_per_mb for c, k in zip(chunks, in_flight))
+    fb_grads = sum(c.fb.grads for c in chunks)
+    fb_rest = max(c.fb.rest for c in chunks)
+    fb_total = params + opt + fb_grads + held_acts + fb_rest + extra + buffers
+    grads = sum(c.grads for c in chunks)
+    opt_total = params + opt + grads + sum(c.opt_rest for c in chunks) + buffers
+    acts_at_peak = held_acts + min(fb_rest, max(c.act_per_mb for c in chunks))
+    if fb_total >= opt_total:
+        return {"phase": "forward/backward", "params": params, "grads": fb_grads, "optimizer": opt,
+                "activations": acts_at_peak, "other": fb_total - params - fb_grads - opt - acts_at_peak}
+    return {"phase": "optimizer step", "params": params, "grads": grads, "optimizer": opt, "activations": 0.0,
+            "other": opt_total - params - grads - opt}
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int) -> int:
+    """Micro-batches (per chunk) whose activations a pipeline rank holds at once, per schedule."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - rank)
+    # interleaved / zero-bubble: torch's warm-up count, spread over the rank's `virtual` chunks
+    warmup = min(microbatches * virtual, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    return max(1, -(-warmup // virtual))
+
+
+def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[int, str, int]]:
+    """(rank, part, layers) of every pipeline stage, split exactly as the runtime splits them."""
+    return _stage_layout(args, layout.pp, layout.virtual_stages, seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layout(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
+    from paratrain.models.presets import build_model
+    from paratrain.parallel.pipeline_split import split_into_stages, stage_ranks
+
+    model = build_model(args, "meta", seed=None)
+    specs = split_into_stages(model, pp, virtual, seq_len)
+    ranks = stage_ranks(pp, len(specs))
+    out = []
+    for spec in specs:
+        part = "whole" if spec.first and spec.last else "first" if spec.first else "last" if spec.last else "middle"
+        out.append((ranks[spec.index], part, len(spec.layers)))
+    return out
+
+
+def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = "bf16",
+                    device_type: str = "cuda") -> MemoryEstimate:
+    """Peak bytes on the busiest rank of `layout` (device_type picks the optimizer the trainer uses)."""
+    notes: list[str] = []
+    if layout.pp == 1:
+        chunk = chunk_memory(args, layout, "whole", args.n_layers, seq_len, dtype, device_type, notes)
+        parts = _from_chunks([chunk], [1], layout.microbatches, pipelined=False)
+        return MemoryEstimate(**{k: parts[k] for k in ("params", "grads", "optimizer", "activations", "other")},
+                              phase=parts["phase"], notes=notes)
+    stages = stage_layout(args, layout, seq_len)
+    per_rank: dict[int, list] = {}
+    for index, (rank, part, layers) in enumerate(stages):
+        per_rank.setdefault(rank, []).append((index, part, layers))
+    best, per_stage = None, []
+    for rank, items in sorted(per_rank.items()):
+        chunks = [chunk_memory(args, layout, part, layers, seq_len, dtype, device_type, notes if rank == 0 else [])
+                  for _, part, layers in items]
+        flight = [in_flight(layout.pp_schedule, layout.pp, rank, layout.microbatches, layout.virtual_stages)
+                  for _ in items]
+        parts = _from_chunks(chunks, flight, layout.microbatches, pipelined=True)
+        total = sum(parts[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+        per_stage.append({"pp_rank": rank, "stages": [i for i, _, _ in items], "in_flight": flight,
+                          "total_gib": round(total / GIB, 4)})
+        if best is None or total > best[0]:
+            best = (total, parts)
+    parts = best[1]
+    notes.append("pipeline: " + ", ".join(f"rank {s['pp_rank']} holds {s['in_flight'][0]} micro-batch(es)"
+                                          for s in per_stage))
+    return MemoryEstimate(**{k: parts[k] for k in ("params", "grads", "optimizer", "activations", "other")},
+                          phase=parts["phase"], per_stage=per_stage, notes=notes)

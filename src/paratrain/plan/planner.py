@@ -1,0 +1,221 @@
+"""plan(): search the layouts of a job on a cluster, rank them, explain each, and build the `plan --json` document."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from paratrain.plan.collectives import placement
+from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.memory import GIB, MemoryEstimate
+from paratrain.plan.search import (
+    AC_SPEEDUP_BOUND,
+    Candidate,
+    Job,
+    base_layouts,
+    evaluate,
+    model_states,
+    model_states_floor,
+    refine,
+    screen,
+    with_micro_batch,
+)
+
+log = logging.getLogger("paratrain")
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB" if x >= 0.1 * GIB else f"{x / 2**20:.1f} MiB"
+
+
+def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
+    """Plain-language reasons: what fits and why, what each technique costs or buys here."""
+    lay, mem, gpu = cand.layout, cand.memory, hw.gpu
+    usable = gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    out = []
+    if cand.feasible:
+        out.append(f"fits: {_gib(mem.total)} of {gpu.mem_gib:g} GiB per GPU (peak during the {mem.phase})")
+    else:
+        out.append(f"does not fit: {_gib(mem.total)} > {_gib(usable)} usable of {gpu.mem_gib:g} GiB per GPU "
+                   f"(peak during the {mem.phase})")
+    replicated = model_states_floor(job, lay.__class__(tp=lay.tp, pp=lay.pp, dp_replicate=lay.world // lay.tp // lay.pp))
+    if lay.fsdp:
+        stage = "ZeRO-3" if lay.zero_stage == 3 else "ZeRO-2"
+        if replicated > usable:
+            out.append(f"{stage} needed: model states {_gib(replicated)} > {_gib(usable)} per GPU unsharded; "
+                       f"sharded {lay.shard_degree} ways they take {_gib(model_states_floor(job, lay))}")
+        else:
+            out.append(f"{stage} shards parameters, gradients and optimizer state {lay.shard_degree} ways "
+                       f"({_gib(replicated)} -> {_gib(model_states_floor(job, lay))} of model states)")
+    elif lay.dp_replicate > 1:
+        kind = "ZeRO-1 (optimizer state sharded)" if lay.zero_stage == 1 else "DDP"
+        out.append(f"{kind}: every GPU holds {_gib(model_states_floor(job, lay))} of model states")
+    gpn = gpu.gpus_per_node
+    if lay.tp > 1:
+        where = placement(lay, "tp", gpn)
+        out.append(f"TP={lay.tp} kept inside a node: intra-node {gpu.intra_node_gbs:g} GB/s vs inter-node "
+                   f"{gpu.inter_node_gbs:g} GB/s" if where == "intra" else
+                   f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s")
+        if lay.sp:
+            out.append("sequence parallel keeps norms and the residual stream sharded between blocks")
+    if lay.cp > 1:
+        out.append(f"CP ({lay.cp_impl}) splits each {job.seq_len}-token sequence {lay.cp} ways: activations / {lay.cp}")
+    if lay.ac != "none":
+        extra = "re-runs each block's forward in the backward" if lay.ac == "full" else \
+            "recomputes norms and elementwise ops, keeps matmul outputs"
+        out.append(f"activation checkpointing '{lay.ac}' {extra}; without it this layout needs more memory")
+    if lay.pp > 1 and cand.time is not None:
+        bubble = cand.time.bubble_s / cand.time.step_s
+        out.append(f"pipeline {lay.pp_schedule}{f' x{lay.virtual_stages} stages/rank' if lay.virtual_stages > 1 else ''}"
+                   f": {lay.microbatches} micro-batches, bubble {bubble:.0%} of the step")
+    if cand.time is not None:
+        t = cand.time
+        if lay.dp > 1 or lay.cp > 1:
+            group = "dp_shard_cp" if (lay.fsdp and lay.cp > 1) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
+            where = placement(lay, group, gpn)
+            if where == "inter":
+                out.append(f"data-parallel collectives cross nodes ({gpu.inter_node_gbs:g} GB/s per GPU)")
+        out.append(f"step {t.step_s:.3g} s: compute {t.compute_s / t.step_s:.0%}, exposed communication "
+                   f"{t.comm_exposed_s / t.step_s:.0%}" + (f", bubble {t.bubble_s / t.step_s:.0%}" if t.bubble_s else ""))
+        if lay.microbatches > 1 and lay.pp == 1:
+            out.append(f"micro-batch {lay.micro_batch} x {lay.microbatches} gradient-accumulation steps per GPU")
+    return out
+
+
+def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate) -> dict:
+    lay, t = cand.layout, cand.time
+    return {
+        "strategy": lay.strategy, "dims": lay.degrees(),
+        "pp_schedule": lay.pp_schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages,
+        "microbatches": lay.microbatches, "micro_batch": lay.micro_batch, "activation_checkpointing": lay.ac,
+        "zero_stage": lay.zero_stage, "sp": lay.sp and lay.tp > 1, "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+        "memory_gib": cand.memory.gib() if cand.memory else None,
+        "memory_peak_phase": cand.memory.phase if cand.memory else None,
+        "step_time_s": t.step_s if t else None,
+        "tokens_per_s_per_device": cand.tokens_per_s_per_device if t else None,
+        "mfu": cand.mfu if t else None,
+        "comm_bytes_per_step": t.comm_bytes if t else None,
+        "comm_wire_bytes_per_step": t.comm_wire_bytes if t else None,
+        "bubble_fraction": (t.bubble_s / t.step_s if t.step_s else 0.0) if t else None,
+        "time_breakdown_s": {"compute": t.compute_s, "communication_exposed": t.comm_exposed_s,
+                             "bubble": t.bubble_s, **{k: v for k, v in t.breakdown.items()
+                                                      if isinstance(v, float)}} if t else None,
+        "feasible": cand.feasible, "reasons": explain(job, hw, cand),
+        "notes": cand.memory.notes if cand.memory else [],
+        "command": "paratrain train " + " ".join(lay.train_args(job.model_name, job.seq_len, job.global_batch,
+                                                                job.dtype)),
+    }
+
+
+def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate], list[Candidate], int]:
+    """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined).
+
+    Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
+    screened time, minus what recomputation can cost at most, could still beat the best found are refined.
+    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits.
+    """
+    feasible, infeasible = [], []
+    bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
+    nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
+    pp_now = nodes > 1 or (fixed.get("pp") or 1) > 1
+    groups = [[b for b in bases if b.pp == 1 or pp_now], [b for b in bases if b.pp > 1 and not pp_now]]
+    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    examined = 0
+    for group in groups:
+        if not group or (feasible and group is groups[1]):
+            continue
+        screened = []
+        for base in group:
+            examined += 1
+            floor = model_states_floor(job, base)
+            if floor > usable:
+                # no trace needed: parameters, gradients and optimizer state alone overflow the GPU
+                mem = MemoryEstimate(phase="model states alone (activations not traced)",
+                                     notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"])
+                states = model_states(job, base)
+                mem.params, mem.grads, mem.optimizer = states["params"], states["grads"], states["optimizer"]
+                lay = with_micro_batch(base, job, fixed.get("ac") or "full", fixed.get("micro_batch") or 1)
+                infeasible.append(Candidate(lay, memory=mem, feasible=False))
+                continue
+            cand = screen(job, hw, base, fixed)
+            if cand is None:
+                continue
+            (screened if cand.feasible else infeasible).append(cand)
+        screened.sort(key=lambda c: c.time.step_s)
+        best_time = math.inf
+        for cand in screened:
+            bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
+            if bound < best_time:
+                cand = refine(job, hw, cand, fixed)
+            best_time = min(best_time, cand.time.step_s)
+            feasible.append(cand)
+    feasible.sort(key=lambda c: c.time.step_s)
+    infeasible.sort(key=lambda c: c.memory.total)
+    return feasible, infeasible, examined
+
+
+def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536) -> tuple[int, Candidate] | None:
+    """The fewest GPUs on which some memory-frugal layout fits (FSDP, full AC, micro-batch 1, TP/PP as needed)."""
+    from dataclasses import replace
+
+    from paratrain.plan.layout import Layout
+    from paratrain.plan.search import structural_problem
+
+    gpn = hw.gpu.gpus_per_node
+    counts = sorted({2 ** i for i in range(17)} | {gpn * k for k in range(1, limit // max(gpn, 1) + 1)})
+    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    for n in (c for c in counts if c > job.gpus and c <= limit):
+        trial = replace(job, gpus=n)
+        for tp in (t for t in (1, 2, 4, 8) if t <= min(gpn, n)):
+            for p in (q for q in (1, 2, 4, 8, 16, 32) if n % (tp * q) == 0):
+                rest = n // (tp * p)
+                dp = math.gcd(rest, job.global_batch)
+                cp = rest // dp
+                if dp < 2 and cp < 2 and rest > 1:
+                    continue
+                lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full",
+                             micro_batch=1, microbatches=job.global_batch // dp,
+                             pp_schedule="1f1b")
+                if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
+                    continue
+                cand = evaluate(trial, hw, replace(lay))
+                if cand.feasible:
+                    return n, cand
+    return None
+
+
+def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10) -> dict:
+    from paratrain.models.presets import count_params
+
+    feasible, infeasible, examined = search(job, hw, fixed)
+    doc_candidates = [candidate_doc(job, hw, c) for c in feasible[:top]]
+    doc_candidates += [candidate_doc(job, hw, c) for c in infeasible[:max(0, top - len(doc_candidates)) or 3]]
+    gpu = hw.gpu
+    nodes = math.ceil(job.gpus / gpu.gpus_per_node)
+    doc = {
+        "model": {"name": job.model_name, "params": count_params(job.args),
+                  "params_non_embedding": count_params(job.args, include_embedding=False),
+                  "family": job.args.family, "layers": job.args.n_layers, "dim": job.args.dim,
+                  "heads": job.args.n_heads, "kv_heads": job.args.kv_heads, "ffn_dim": job.args.ffn_dim,
+                  "vocab_size": job.args.vocab_size, "flops_per_token": job.flops_per_token,
+                  "flops_convention": "6*N + 12*layers*dim*seq_len per token; N excludes the input embedding"},
+        "cluster": {"gpu": gpu.name, "gpus": job.gpus, "nodes": nodes, "gpus_per_node": gpu.gpus_per_node,
+                    "mem_gib": gpu.mem_gib, "peak_tflops": gpu.peak_tflops.get(job.dtype),
+                    "intra_node_gbs": gpu.intra_node_gbs, "inter_node_gbs": gpu.inter_node_gbs,
+                    "mem_bw_gbs": gpu.mem_bw_gbs, "usable_mem_fraction": 1 - job.mem_reserve,
+                    "source": gpu.source, "assumptions": gpu.assumptions, "profile": hw.source,
+                    "calibrated": hw.calibrated, "profile_notes": hw.notes},
+        "job": {"seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
+                "fixed": {k: v for k, v in fixed.items() if v is not None}},
+        "recommended": 0 if feasible else None,
+        "fits": bool(feasible),
+        "layouts_examined": examined,
+        "candidates": doc_candidates,
+    }
+    if not feasible:
+        found = smallest_gpu_count(job, hw, fixed)
+        doc["smallest_gpus_that_fit"] = found[0] if found else None
+        doc["message"] = (f"{job.model_name} fits nowhere on {job.gpus} x {gpu.name}: "
+                          + (f"the smallest GPU count that fits is {found[0]} ({found[1].layout.label()}, "
+                             f"{_gib(found[1].memory.total)} per GPU)" if found else "no GPU count up to 65536 fits"))
+    return doc

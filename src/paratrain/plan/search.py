@@ -1,0 +1,234 @@
+"""search(): enumerate every valid layout for the job, predict memory and step time, rank, and explain.
+
+Degrees, ZeRO stage, SP, CP flavour, pipeline schedule, micro-batch size and activation checkpointing are
+searched unless the user fixed them. Traces are shared: the data-parallel flavour and the pipeline schedule
+do not change what one rank's model does, so they cost no new trace. Per layout, activation checkpointing
+is tried from none to full and the micro-batch grows while it fits; the fastest setting that fits is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field, replace
+
+from paratrain.errors import UserError
+from paratrain.models.llama import ModelArgs
+from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.layout import Layout
+from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
+from paratrain.plan.time import TimeEstimate, estimate_time
+
+AC_ORDER = ("none", "selective", "full")
+CP_MIN_SEQ = 4096  # context parallelism is searched from this sequence length up (or when --cp is given)
+
+
+@dataclass
+class Job:
+    args: ModelArgs
+    model_name: str
+    gpus: int
+    seq_len: int
+    global_batch: int
+    dtype: str = "bf16"
+    device_type: str = "cuda"
+    mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
+
+    @property
+    def flops_per_token(self) -> float:
+        from paratrain.models.presets import flops_per_token
+
+        return flops_per_token(self.args, self.seq_len)
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate | None = None
+    time: TimeEstimate | None = None
+    feasible: bool = False
+    reasons: list[str] = field(default_factory=list)
+    tokens_per_s_per_device: float = 0.0
+    mfu: float | None = None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int) -> list[tuple[int, int, int, int, int]]:
+    out = []
+    for pp in divisors(n):
+        for dpr in divisors(n // pp):
+            for dps in divisors(n // pp // dpr):
+                for cp in divisors(n // pp // dpr // dps):
+                    out.append((pp, dpr, dps, cp, n // pp // dpr // dps // cp))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
+    """The model family must have a TP plan the runtime can apply (models/plans.py)."""
+    from paratrain.models.plans import tp_plan_for
+    from paratrain.models.presets import build_model
+
+    tp_plan_for(build_model(args, "meta", seed=None), tp, sp=sp)
+
+
+def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
+    """Why this layout cannot run at all (the runtime's own checks), or None."""
+    from paratrain.parallel.context_parallel import check_cp
+    from paratrain.parallel.dims import check_tp_divides
+    from paratrain.parallel.pipeline_split import check_pipeline_layout
+
+    try:
+        check_tp_divides(job.args, lay.tp)
+        if lay.cp > 1:
+            if job.seq_len % (2 * lay.cp):
+                return f"cp={lay.cp} needs the sequence length to be a multiple of {2 * lay.cp}"
+            check_cp(job.args, lay.to_dims(), lay.cp_impl)
+        if job.global_batch % lay.dp:
+            return f"global batch {job.global_batch} is not divisible by dp={lay.dp}"
+        if lay.pp > 1:
+            check_pipeline_layout("pp", lay.pp_schedule, lay.pp, lay.virtual_stages, job.args.n_layers,
+                                  job.global_batch, lay.dp, lay.microbatches, lay.micro_batch)
+            if job.args.tie_embeddings:
+                return "a tied embedding cannot be split across pipeline stages"
+        if lay.tp > 1:
+            _check_tp_plan(job.args, lay.tp, lay.sp)
+    except UserError as exc:
+        return str(exc)
+    if lay.tp > gpus_per_node:
+        return f"tp={lay.tp} would span nodes ({gpus_per_node} GPUs per node)"
+    return None
+
+
+def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
+    """Every (degrees, ZeRO stage, SP, CP flavour, schedule) the job allows; micro-batching and AC come later."""
+    out = []
+    for pp, dpr, dps, cp, tp in _factorizations(job.gpus):
+        degrees = {"pp": pp, "dp_replicate": dpr, "dp_shard": dps, "cp": cp, "tp": tp}
+        if any(fixed.get(k) is not None and fixed[k] != v for k, v in degrees.items()):
+            continue
+        if cp > 1 and fixed.get("cp") is None and job.seq_len < CP_MIN_SEQ:
+            continue
+        if dps > 1:
+            stages = (3,) if dpr > 1 else (2, 3)
+        elif dpr > 1:
+            stages = (0, 1)
+        else:
+            stages = (0,)
+        if fixed.get("zero_stage") is not None:
+            stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
+        # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
+        # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP
+        sps = ((fixed["sp"],) if fixed.get("sp") is not None else (True,)) if tp > 1 else (False,)
+        impls = ("ring", "ulysses") if cp > 1 else ("ring",)
+        schedules = [("1f1b", 1)]
+        if pp > 1:
+            schedules = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)]
+        for stage, sp, impl, (sched, v) in itertools.product(stages, sps, impls, schedules):
+            if fixed.get("cp_impl") and cp > 1 and impl != fixed["cp_impl"]:
+                continue
+            if fixed.get("pp_schedule") and pp > 1:
+                sched = fixed["pp_schedule"]
+                v = fixed.get("virtual_stages") or (2 if sched in ("interleaved-1f1b", "zero-bubble") else 1)
+            out.append(Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, zero_stage=stage, sp=sp,
+                              cp_impl=impl, pp_schedule=sched, virtual_stages=v))
+    return list(dict.fromkeys(out))
+
+
+def model_states(job: Job, lay: Layout) -> dict[str, float]:
+    """Bytes of parameters, gradients and AdamW state on one rank before any activation: fp32 master weights,
+    fp32 gradients, two fp32 moments (16 bytes per parameter), sharded as the layout shards them."""
+    from paratrain.models.presets import count_params
+
+    n = count_params(job.args) / lay.tp / lay.pp
+    dp = lay.shard_degree if lay.fsdp else lay.dp
+    # FSDP2 keeps parameters sharded between steps at both stages (ZeRO-2 only holds them gathered longer)
+    stage = 3 if lay.fsdp else lay.zero_stage
+    return model_state_bytes(n, dp, stage, k_optimizer=8, param_bytes=4, grad_bytes=4)
+
+
+def model_states_floor(job: Job, lay: Layout) -> float:
+    return model_states(job, lay)["total"]
+
+
+def evaluate(job: Job, hw: HardwareProfile, lay: Layout) -> Candidate:
+    cand = Candidate(lay)
+    budget = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type)
+    cand.memory = mem
+    cand.feasible = mem.total <= budget
+    if cand.feasible:
+        cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type)
+        tokens = job.global_batch * job.seq_len
+        cand.tokens_per_s_per_device = tokens / cand.time.step_s / lay.world
+        peak = hw.gpu.peak_tflops.get(job.dtype)
+        cand.mfu = job.flops_per_token * tokens / cand.time.step_s / (lay.world * peak * 1e12) if peak else None
+    return cand
+
+
+def micro_batch_options(job: Job, lay: Layout, fixed: dict) -> list[int]:
+    local = job.global_batch // lay.dp
+    if fixed.get("micro_batch"):
+        return [fixed["micro_batch"]] if local % fixed["micro_batch"] == 0 else []
+    options = [d for d in divisors(local)]
+    if lay.pp > 1 and lay.pp_schedule == "1f1b":
+        options = [d for d in options if local // d >= lay.pp]
+    return options
+
+
+def with_micro_batch(base: Layout, job: Job, ac: str, mb: int) -> Layout:
+    return replace(base, ac=ac, micro_batch=mb, microbatches=(job.global_batch // base.dp) // mb)
+
+
+def screen(job: Job, hw: HardwareProfile, base: Layout, fixed: dict) -> Candidate | None:
+    """The layout at its smallest memory: the smallest valid micro-batch, full AC (or the fixed AC)."""
+    ac = fixed.get("ac") or "full"
+    for mb in micro_batch_options(job, base, fixed):
+        lay = with_micro_batch(base, job, ac, mb)
+        if structural_problem(job, lay, hw.gpu.gpus_per_node) is None:
+            return evaluate(job, hw, lay)
+    return None
+
+
+def grow(job: Job, hw: HardwareProfile, cand: Candidate, fixed: dict) -> Candidate:
+    """Double the micro-batch while it is predicted to fit and to run faster."""
+    if fixed.get("micro_batch"):
+        return cand
+    budget = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    options = micro_batch_options(job, cand.layout, fixed)
+    best = cand
+    for mb in (m for m in options if m > best.layout.micro_batch):
+        mem = best.memory
+        lay = with_micro_batch(cand.layout, job, cand.layout.ac, mb)
+        # activations and temporaries grow with the micro-batch: skip traces that cannot fit (unless the
+        # accumulation ends, which frees the gradients held across micro-batches: then trace and see)
+        guess = mem.total + (mem.activations + max(mem.other, 0.0)) * (mb / best.layout.micro_batch - 1)
+        if guess > budget * 1.05 and not (lay.microbatches == 1 < best.layout.microbatches):
+            break
+        if structural_problem(job, lay, hw.gpu.gpus_per_node):
+            continue
+        trial = evaluate(job, hw, lay)
+        if not trial.feasible or trial.time.step_s > best.time.step_s * 0.99:
+            break
+        best = trial
+    return best
+
+
+# a layout without recomputation runs at >= ~3/4 of its full-AC time (full AC adds one forward to fwd + 2 fwd)
+AC_SPEEDUP_BOUND = {"full": 0.72, "selective": 0.9, "none": 1.0}
+
+
+def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> Candidate:
+    """From the screening setting to the fastest that fits: less recomputation first, then bigger micro-batches."""
+    best = screened
+    if not fixed.get("ac"):
+        for ac in AC_ORDER[:AC_ORDER.index(screened.layout.ac)]:
+            lay = with_micro_batch(screened.layout, job, ac, screened.layout.micro_batch)
+            trial = evaluate(job, hw, lay)
+            if trial.feasible:
+                best = trial if trial.time.step_s < best.time.step_s else best
+                break
+    return grow(job, hw, best, fixed)

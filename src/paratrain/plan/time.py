@@ -1,0 +1,251 @@
+"""Step time of a layout: traced ops priced by a roofline, collectives by ring formulas, overlap rules per
+strategy, and the pipeline bubble per schedule.
+
+Compute: every op the trace recorded costs max(FLOPs / matmul rate, bytes / memory bandwidth), plus a per-op
+overhead (added on CPU; on GPU a launch floor the previous kernel hides). Rates are calibrated, or the
+catalog peak times the documented efficiencies (hardware.py). Communication: see collectives.py.
+Overlap rules (the fraction `overlap` of the profile is how much of an overlappable transfer hides):
+  DDP        gradient all-reduce runs under the last micro-batch's backward; the last bucket is exposed
+  ZeRO-1     as DDP, plus the parameter broadcast after the optimizer step (exposed)
+  FSDP2      all-gathers are prefetched under the previous block's compute; the first one is exposed;
+             reduce-scatters run under the backward, the last one is exposed; HSDP adds an all-reduce
+  TP / SP    on the critical path: fully exposed
+  CP ring    K/V rotation posted before each block's attention: hides under it
+  Ulysses    all-to-alls are exposed
+  PP         (m + p - 1) slots of the slowest stage for GPipe/1F1B, interleaving divides the bubble by v,
+             zero-bubble leaves about a third of it; activations cross stages by p2p per micro-batch
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from paratrain.errors import UserError
+from paratrain.models.llama import ModelArgs
+from paratrain.plan.collectives import collective_time, group_size, placement, wire_bytes
+from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.layout import Layout
+from paratrain.plan.memory import stage_layout, trace_key
+from paratrain.plan.trace import Trace, trace
+
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class TimeEstimate:
+    step_s: float = 0.0
+    compute_s: float = 0.0  # forward + backward + optimizer on the critical path
+    comm_exposed_s: float = 0.0
+    bubble_s: float = 0.0
+    comm_bytes: float = 0.0  # payload bytes this rank sends/receives per step (parallel/comm.py convention)
+    comm_wire_bytes: float = 0.0
+    comm_by_kind: dict = field(default_factory=dict)
+    breakdown: dict = field(default_factory=dict)
+
+    def add_comm(self, kind: str, payload: float, n: int, count: float = 1.0) -> None:
+        if n <= 1:
+            return
+        self.comm_bytes += payload * count
+        self.comm_wire_bytes += wire_bytes(kind, payload, n) * count
+        self.comm_by_kind[kind] = self.comm_by_kind.get(kind, 0.0) + payload * count
+
+
+# -- compute -----------------------------------------------------------------------------------------------------
+def matmul_rate(profile: HardwareProfile, dtype: str, flops: float) -> float:
+    """Achievable FLOP/s for a matmul of `flops`: the calibrated curve (log-log interpolation), else the
+    profile's large-matmul rate. An unknown dtype is an error: no other dtype's or GPU's figure stands in."""
+    curve = profile.matmul_curve.get(dtype)
+    if curve:
+        pts = sorted(curve)
+        if flops <= pts[0][0]:
+            return pts[0][1] * 1e12 * flops / pts[0][0] if flops > 0 else pts[0][1] * 1e12
+        for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
+            if flops <= f1:
+                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0))) * 1e12
+        return pts[-1][1] * 1e12
+    if dtype not in profile.dtype_tflops:
+        raise UserError(f"the hardware profile ({profile.gpu.name}) has no {dtype} matmul rate; known: "
+                        f"{', '.join(profile.dtype_tflops)} (calibrate with this --dtype)")
+    return profile.dtype_tflops[dtype] * 1e12
+
+
+def op_cost(profile: HardwareProfile, dtype: str, phase: str):
+    """cost(kind, flops, bytes) -> seconds, for ops of one phase (fwd / bwd / opt)."""
+    bw = profile.mem_bw_gbs * 1e9
+    overhead = profile.op_overhead_us.get(phase, 0.0) * 1e-6
+    view = profile.op_overhead_us.get("view", 0.0) * 1e-6
+    # in autocast, matmuls run in the low-precision dtype; the optimizer works on fp32 state
+    mm_dtype = "fp32" if phase == "opt" else dtype
+
+    dtensor_op = profile.framework_us.get("dtensor_op", 0.0) * 1e-6
+    scale = profile.compute_scale
+
+    def cost(kind: str, flops: float, nbytes: float, dtensor: bool = False) -> float:
+        host = dtensor_op if dtensor else 0.0  # DTensor's sharding propagation runs on the host per op
+        if kind == "view":
+            return host + (0.0 if profile.overhead_overlaps else view)
+        memory = nbytes / bw
+        if kind == "mm":
+            work = max(flops / matmul_rate(profile, mm_dtype, flops), memory)
+        elif kind == "attn":
+            work = max(flops / (matmul_rate(profile, mm_dtype, flops) * profile.attention_tflops_fraction), memory)
+        else:
+            work = memory
+        if profile.overhead_overlaps:
+            return scale * max(work, overhead) + host
+        return scale * (work + overhead) + host
+
+    return cost
+
+
+@dataclass
+class ChunkTime:
+    fwd: float
+    bwd: float
+    opt: float
+    tp_exposed: float  # per micro-batch, forward + backward
+    cp_comm: float  # per micro-batch ring p2p / Ulysses all-to-all time
+    tr: Trace
+    layers: int
+
+
+def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
+               dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
+    tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
+    fwd = tr.op_sum("fwd", layers, op_cost(profile, dtype, "fwd"))
+    bwd = tr.op_sum("bwd", layers, op_cost(profile, dtype, "bwd"))
+    opt = tr.op_sum("opt", layers, op_cost(profile, dtype, "opt"))
+    gpn = profile.gpu.gpus_per_node
+    tp_t = cp_t = 0.0
+    for phase in ("fwd", "bwd"):
+        for kind, payload, group in tr.comm_at(phase, layers):
+            n = group_size(layout, group)
+            t = collective_time(profile, kind, payload, n, placement(layout, group, gpn))
+            est.add_comm(kind, payload, n, microbatches)
+            if group == "tp":
+                tp_t += t
+            else:
+                cp_t += t
+    return ChunkTime(fwd, bwd, opt, tp_t, cp_t, tr, layers)
+
+
+# -- data-parallel communication -----------------------------------------------------------------------------------
+def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[ChunkTime], dtype: str,
+                       est: TimeEstimate) -> float:
+    """Exposed seconds of the data-parallel collectives of one step on one rank."""
+    gpn, m = profile.gpu.gpus_per_node, layout.microbatches
+    grads = sum(c.tr.scalar("grads", c.layers) for c in chunks)  # local fp32 gradient bytes (unsharded)
+    params = sum(c.tr.scalar("params", c.layers) for c in chunks)
+    fwd = sum(c.fwd for c in chunks)
+    bwd = sum(c.bwd for c in chunks)
+    overlap = profile.overlap
+    if layout.fsdp:
+        group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+        n, where = group_size(layout, group), placement(layout, group, gpn)
+        gathered = params / 2 if dtype == "bf16" else params  # the mixed-precision parameter dtype
+        blocks = max(sum(c.layers for c in chunks), 1)
+        groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
+                              for c in chunks)  # each block, the embedding and the head are gathered alone
+        # one collective per group: the total bytes, and a latency per call
+        ag = collective_time(profile, "all_gather", gathered / groups, n, where) * groups
+        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where)
+        gathers = m * (2 if layout.zero_stage == 3 else 1)  # ZeRO-3 gathers again for the backward
+        est.add_comm("all_gather", gathered, n, gathers)
+        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where) * groups
+        est.add_comm("reduce_scatter", grads, n)
+        exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
+        if layout.zero_stage == 3:
+            exposed += m * max(0.0, ag - overlap * bwd)
+        rs_last = rs / groups
+        exposed += rs_last + max(0.0, rs - rs_last - overlap * bwd)
+        # FSDP's own work on the host and in memory: per group, per gather and reduce-scatter, bookkeeping and
+        # copies (all-gather output + copy-out; reduce-scatter copy-in + the sharded gradient)
+        tensors = sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)
+        exposed += (gathers + 1) * tensors * profile.framework_us.get("fsdp_param", 0.0) * 1e-6
+        exposed += (gathers * 2 * gathered + 2 * grads) / (profile.mem_bw_gbs * 1e9)
+        if layout.dp_replicate > 1:
+            nr = layout.dp_replicate
+            shard = grads / n
+            exposed += collective_time(profile, "all_reduce", shard, nr, placement(layout, "dp_replicate", gpn))
+            est.add_comm("all_reduce", shard, nr)
+        return exposed
+    if layout.ddp:
+        group = "dp_cp"
+        n, where = group_size(layout, group), placement(layout, group, gpn)
+        ar = collective_time(profile, "all_reduce", grads, n, where)
+        est.add_comm("all_reduce", grads, n)
+        last = collective_time(profile, "all_reduce", min(grads, DDP_BUCKET_BYTES), n, where)
+        exposed = last + max(0.0, ar - last - overlap * bwd)
+        if layout.zero_stage == 1:
+            # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step: one call each
+            nd, where_d = group_size(layout, "dp"), placement(layout, "dp", gpn)
+            count = max(1, round(sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)))
+            exposed += collective_time(profile, "broadcast", params / count, nd, where_d) * count
+            est.add_comm("broadcast", params, nd)
+        return exposed
+    return 0.0
+
+
+# -- the step ------------------------------------------------------------------------------------------------------
+def pipeline_factor(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
+    """(busy slots, bubble slots) in units of one micro-batch's forward+backward on one stage rank."""
+    if pp == 1:
+        return float(m), 0.0
+    bubble = (pp - 1) / v
+    if schedule == "zero-bubble":
+        bubble /= 3.0  # ZB-H1: backward split into input and weight gradients fills about 2/3 of the bubble
+    return float(m), bubble
+
+
+def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
+                  device_type: str) -> TimeEstimate:
+    est = TimeEstimate()
+    m = layout.microbatches
+    gpn = profile.gpu.gpus_per_node
+    if layout.pp == 1:
+        chunk = chunk_time(profile, args, layout, "whole", args.n_layers, seq_len, dtype, device_type, est, m)
+        per_mb = chunk.fwd + chunk.bwd
+        cp_exposed = max(0.0, chunk.cp_comm - profile.overlap * 0.5 * per_mb) if layout.cp_impl == "ring" \
+            else chunk.cp_comm
+        opt = chunk.opt / layout.shard_degree if layout.fsdp else (
+            chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
+        dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est)
+        est.compute_s = m * per_mb + opt
+        est.comm_exposed_s = m * (chunk.tp_exposed + cp_exposed) + dp_exposed
+        est.step_s = est.compute_s + est.comm_exposed_s
+        est.breakdown = {"forward_s": m * chunk.fwd, "backward_s": m * chunk.bwd, "optimizer_s": opt,
+                         "tp_comm_s": m * chunk.tp_exposed, "cp_comm_exposed_s": m * cp_exposed,
+                         "dp_comm_exposed_s": dp_exposed}
+        return est
+    # pipeline: every stage rank's per-micro-batch time; the slowest sets the pace
+    stages = stage_layout(args, layout, seq_len)
+    ranks: dict[int, list[ChunkTime]] = {}
+    io = 0.0
+    for rank, part, layers in stages:
+        share = TimeEstimate()
+        c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m)
+        ranks.setdefault(rank, []).append(c)
+        if rank == 0:
+            est.comm_bytes += share.comm_bytes
+            est.comm_wire_bytes += share.comm_wire_bytes
+        io = max(io, c.tr.lo.io_bytes)
+    p2p = collective_time(profile, "p2p", io, 2, placement(layout, "pp", gpn))
+    est.add_comm("p2p", io, 2, 2 * m * layout.virtual_stages)
+    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm for c in cs) + 2 * p2p * len(cs)
+                for r, cs in ranks.items()}
+    slot = max(per_rank.values())
+    busy, bubble = pipeline_factor(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    slowest = max(per_rank, key=per_rank.get)
+    opt = max(sum(c.opt for c in cs) for cs in ranks.values())
+    opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
+    dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est)
+    compute = sum(c.fwd + c.bwd for c in ranks[slowest])
+    est.compute_s = busy * compute + opt
+    est.bubble_s = bubble * slot
+    est.comm_exposed_s = busy * (slot - compute) + dp_exposed
+    est.step_s = est.compute_s + est.bubble_s + est.comm_exposed_s
+    est.breakdown = {"stage_slot_s": slot, "p2p_s": p2p, "optimizer_s": opt, "dp_comm_exposed_s": dp_exposed,
+                     "per_stage_rank_s": {r: round(t, 6) for r, t in per_rank.items()}}
+    return est

@@ -1,0 +1,374 @@
+"""Trace one rank's training step on fake tensors: memory at each phase's peak, every op's FLOPs and bytes,
+and the collectives it issues. This is how the planner sees the *actual* model, not a formula.
+
+A trace runs one micro-batch's forward and backward (two when gradients accumulate) of the rank's local model
+(local_model.py) and, separately and shared, its optimizer step, under FakeTensorMode (shapes only, nothing
+computed) and a LiveTensorTracker, recording every op and collective. It traces 1 and 2 layers; `Trace.at(layers)` extends the per-layer increments linearly to any depth
+(every quantity is linear in the layer count: each block adds the same activations, grads and ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from paratrain.models.llama import ModelArgs
+from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
+from paratrain.plan.tracker import LiveTensorTracker
+
+PHASES = ("first_mb", "next_mb", "optimizer")
+# view / metadata ops: dispatcher overhead, no kernel and no memory traffic
+_VIEW_NAMES = {"device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "slice", "select",
+               "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes", "unbind", "chunk",
+               "_reshape_alias", "unflatten", "view_as_real", "lift_fresh", "empty", "empty_like", "new_empty",
+               "empty_strided", "new_empty_strided", "_local_scalar_dense"}
+_MATMUL_NAMES = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
+_ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+_ATTN_BWD = {n + "_backward" for n in _ATTN_FWD}
+_GATHER_NAMES = {"embedding", "index_select", "gather", "embedding_dense_backward", "index_add", "index_put"}
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    args: ModelArgs
+    part: str = "whole"  # whole | first | middle | last (pipeline stage contents)
+    micro_batch: int = 1
+    seq_len: int = 64  # global sequence length
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_impl: str = "ring"
+    ac: str = "none"
+    dtype: str = "fp32"
+    device_type: str = "cpu"  # picks the optimizer flavour the trainer uses (foreach on CPU, fused on CUDA)
+    accumulate: bool = False  # also trace a second micro-batch accumulating into existing gradients
+
+
+@dataclass
+class PhasePeak:
+    """Live bytes at a phase's peak, by kind. rest = activations, temporaries, buffers."""
+
+    total: int = 0
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    rest: int = 0
+
+    def scaled(self, other: PhasePeak, k: float) -> PhasePeak:
+        """self + k * (other - self), field by field (linear extension in the layer count)."""
+        return PhasePeak(*(round(a + k * (b - a)) for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self) -> tuple:
+        return (self.total, self.params, self.grads, self.optimizer, self.rest)
+
+
+@dataclass
+class OneTrace:
+    layers: int
+    params: int = 0
+    optimizer: int = 0
+    grads: int = 0
+    activations: int = 0  # live bytes one micro-batch's forward leaves behind (saved for backward + output)
+    phases: dict[str, PhasePeak] = field(default_factory=dict)
+    # phase -> [(kind, flops, bytes, count, dtensor)]: `count` identical ops (a loop traced once); dtensor: the
+    # op would run on DTensors (TP), paying DTensor's dispatch
+    ops: dict[str, list[tuple[str, float, float, int, bool]]] = field(default_factory=dict)
+    comm: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)  # "fwd"/"bwd" -> collectives
+    param_count: int = 0
+    param_tensors: int = 0
+    io_bytes: int = 0  # one micro-batch's stage output (what a pipeline stage sends)
+    # live bytes when a parameter group's forward / backward starts (FSDP gathers that group there):
+    # the largest over blocks, and at the output head's backward
+    block_fwd_mark: int = 0
+    block_bwd_mark: int = 0
+    head_bwd_mark: int = 0
+
+
+class Trace:
+    """Traces at 1 and 2 blocks; every accessor extends them linearly to `layers` blocks."""
+
+    def __init__(self, key: TraceKey, lo: OneTrace, hi: OneTrace):
+        self.key, self.lo, self.hi = key, lo, hi
+
+    def _k(self, layers: int) -> float:
+        return (layers - self.lo.layers) / (self.hi.layers - self.lo.layers)
+
+    def scalar(self, name: str, layers: int) -> float:
+        a, b = getattr(self.lo, name), getattr(self.hi, name)
+        return a + self._k(layers) * (b - a)
+
+    def phase(self, name: str, layers: int) -> PhasePeak:
+        return self.lo.phases[name].scaled(self.hi.phases[name], self._k(layers))
+
+    def op_sum(self, phase: str, layers: int, cost) -> float:
+        """Sum of cost(kind, flops, bytes, dtensor) over one micro-batch's ops of `phase` (fwd/bwd/opt), extended."""
+        a = sum(n * cost(k, f, b, d) for k, f, b, n, d in self.lo.ops[phase])
+        b = sum(n * cost(k, f, b, d) for k, f, b, n, d in self.hi.ops[phase])
+        return a + self._k(layers) * (b - a)
+
+    def comm_at(self, phase: str, layers: int) -> list[tuple[str, float, str]]:
+        """Collectives of one micro-batch: the deeper trace's, with the per-layer ones repeated."""
+        lo, hi = self.lo.comm[phase], self.hi.comm[phase]
+        per_layer = _multiset_diff(hi, lo, self.hi.layers - self.lo.layers)
+        extra = layers - self.hi.layers
+        return [(k, n, g) for k, n, g in hi] + [(k, n * extra, g) for k, n, g in per_layer]
+
+
+def _multiset_diff(hi, lo, span: int) -> list:
+    rest = list(hi)
+    for item in lo:
+        if item in rest:
+            rest.remove(item)
+    if span <= 0:
+        return []
+    # collapse the per-layer calls to per-layer byte totals by kind/group (exact for identical layers)
+    totals: dict[tuple[str, str], int] = {}
+    for kind, n, g in rest:
+        totals[(kind, g)] = totals.get((kind, g), 0) + n
+    return [(k, v / span, g) for (k, g), v in totals.items()]
+
+
+# -- op accounting -----------------------------------------------------------------------------------------------
+def _tensor_bytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> float:
+    b, h, sq, d = q.shape
+    sk = k.shape[-2]
+    flops = 4.0 * b * h * sq * sk * d  # QK^T and PV
+    if backward:
+        flops *= 2.5  # FlashAttention's backward: recompute QK^T, then dV, dP, dQ, dK
+    return flops * (0.5 if causal else 1.0)
+
+
+def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
+    """(kind, flops, bytes moved) of one aten op. kind: mm | attn | mem | view."""
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
+
+    name = func._overloadpacket.__name__
+    if name in _VIEW_NAMES or getattr(func, "is_view", False):
+        return "view", 0.0, 0.0
+    leaves_in = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    leaves_out = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+    if name in _ATTN_FWD or name in _ATTN_BWD:
+        backward = name in _ATTN_BWD
+        q, k = (args[1], args[2]) if backward else (args[0], args[1])
+        causal = bool(kwargs.get("is_causal", args[7] if backward and len(args) > 7 else
+                                 (args[4] if not backward and len(args) > 4 else False)))
+        nbytes = sum(_tensor_bytes(x) for x in leaves_in + leaves_out)
+        return "attn", _attention_flops(q, k, causal, backward), nbytes
+    out_bytes = sum(_tensor_bytes(x) for x in leaves_out)
+    if name in _GATHER_NAMES:
+        # a lookup touches the rows it reads, not the whole table
+        small_in = sum(_tensor_bytes(x) for x in leaves_in if _tensor_bytes(x) <= out_bytes)
+        return "mem", 0.0, 2.0 * out_bytes + small_in
+    nbytes = sum(_tensor_bytes(x) for x in leaves_in) + out_bytes
+    if name in _MATMUL_NAMES and func._overloadpacket in flop_registry:
+        flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        return "mm", float(flops), float(nbytes)
+    return "mem", 0.0, float(nbytes)
+
+
+# -- the tracer --------------------------------------------------------------------------------------------------
+def _stage_input(key: TraceKey, seq_local: int, dim: int):
+    if key.part in ("whole", "first"):
+        return torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+    # a later pipeline stage receives the previous stage's hidden states (fp32 residual stream)
+    return torch.zeros((key.micro_batch, seq_local, dim), dtype=torch.float32, requires_grad=True)
+
+
+def _recorder(ops: dict, state: dict, log: CommLog):
+    from torch.utils._pytree import tree_leaves
+
+    def record(func, args, kwargs, out):
+        phase = state["phase"]
+        dtensor = False
+        if log.dtensor is not None:
+            # an op on any would-be DTensor runs through DTensor dispatch and yields DTensors
+            dtensor = log.is_dtensor(x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+            if dtensor:
+                for t in tree_leaves(out):
+                    log.tag(t)
+        if phase is not None and not log.in_comm:
+            ops[phase].append((*classify_op(func, args, kwargs, out), log.op_weight, dtensor))
+
+    return record
+
+
+@functools.lru_cache(maxsize=256)
+def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
+    """The optimizer step of one rank's part: its state bytes, the step's peak and ops. It depends only on the
+    parameter shapes, so every layout with the same TP split shares it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paratrain.train.optim import build_optimizer
+    from paratrain.train.step import clip_grad_norm
+
+    result = OneTrace(layers=layers)
+    ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
+    state = {"phase": None}
+    log = CommLog()
+    log.dtensor = set() if tp > 1 else None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_local_model(args, layers, part, tp, False, 1, "ring", "none", log)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # under TP every parameter is a DTensor, and so is its optimizer state
+            log.tag(p)
+        opt = build_optimizer(params, 1e-3, (0.9, 0.95), 0.0, device_type)
+
+        def snapshot() -> dict:
+            states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            return {"grads": tracker.bytes_of([p.grad for p in params]), "optimizer": tracker.bytes_of(states)}
+
+        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log), resync=False)
+        with tracker:
+            tracker.track(list(model.parameters()) + list(model.buffers()))
+            result.params = tracker.current
+            for p in params:
+                p.grad = torch.zeros_like(p)
+                log.tag(p.grad)
+            opt.step()  # the first step creates the optimizer state, as step 1 of a run does
+            result.optimizer = snapshot()["optimizer"]
+            result.grads = tracker.bytes_of([p.grad for p in params])
+            tracker.reset_peak()
+            state["phase"] = "opt"
+            clip_grad_norm(params, 1.0)
+            opt.step()
+            state["phase"] = None
+            _store_phase(result, "optimizer", tracker)
+    result.ops = ops
+    return result
+
+
+def trace_once(key: TraceKey, layers: int) -> OneTrace:
+    """One micro-batch's forward and backward of the rank's part with `layers` blocks, plus its optimizer step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paratrain.train.step import autocast_context, lm_loss
+
+    opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers)
+    result = OneTrace(layers=layers, optimizer=opt_trace.optimizer)
+    log = CommLog()
+    seq_local = key.seq_len // key.cp
+    has_head = key.part in ("whole", "last")
+    state = {"phase": None}
+    ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": opt_trace.ops["opt"]}
+
+    log.dtensor = set() if key.tp > 1 else None
+    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+        model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def snapshot() -> dict:
+            return {"grads": tracker.bytes_of([p.grad for p in params if p.grad is not None]), "optimizer": 0}
+
+        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log), resync=False)
+        marking = _mark_groups(model, tracker, result)
+        with tracker:
+            tracker.track(list(model.parameters()) + list(model.buffers()))
+            result.params = tracker.current
+            result.param_count = sum(p.numel() for p in model.parameters())
+            result.param_tensors = len(params)
+            # gradient accumulation: a second micro-batch runs with every gradient already allocated; new
+            # gradients are transients added in place (the peak moves, so it is traced, not derived)
+            passes = 2 if key.accumulate else 1
+            for i in range(passes):
+                last = i == passes - 1
+                log.active = last
+                tracker.reset_peak()
+                inputs = _stage_input(key, seq_local, key.args.dim)
+                before = tracker.current
+                positions = torch.arange(seq_local)
+                state["phase"], log.phase = ("fwd" if last else None), "fwd"
+                with autocast_context("cpu", key.dtype):
+                    out = model(inputs, positions=positions)
+                if has_head:
+                    targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+                    loss = lm_loss(out, targets)
+                if i == 0:
+                    result.activations = tracker.current - before
+                    result.io_bytes = out.numel() * out.element_size()
+                state["phase"], log.phase = ("bwd" if last else None), "bwd"
+                if has_head:
+                    loss.backward()
+                    del loss, targets
+                else:
+                    out.backward(torch.ones_like(out))
+                del out, inputs
+                state["phase"] = None
+                _store_phase(result, "first_mb" if i == 0 else "next_mb", tracker)
+                marking["on"] = False  # marks describe the first micro-batch
+            result.grads = tracker.bytes_of([p.grad for p in params if p.grad is not None])
+    # the optimizer state exists throughout (it was not built in this trace): add it to the peaks
+    for phase in result.phases.values():
+        phase.total += result.optimizer
+        phase.optimizer = result.optimizer
+    if not key.accumulate:
+        result.phases["next_mb"] = result.phases["first_mb"]
+    result.phases["optimizer"] = opt_trace.phases["optimizer"]
+    result.ops = ops
+    result.comm = {"fwd": log.fwd, "bwd": log.bwd}
+    return result
+
+
+def _mark_groups(model, tracker: LiveTensorTracker, result: OneTrace) -> dict:
+    """Record live bytes where each FSDP parameter group (block, head) starts its forward and backward,
+    while the returned switch is on."""
+    switch = {"on": True}
+
+    def on_grad(attr: str):
+        def hook(grad):
+            if switch["on"]:
+                setattr(result, attr, max(getattr(result, attr), tracker.current))
+
+        return hook
+
+    def watch(module, fwd_attr: str | None, bwd_attr: str):
+        def pre(mod, args):
+            if fwd_attr and switch["on"]:
+                setattr(result, fwd_attr, max(getattr(result, fwd_attr), tracker.current))
+
+        def post(mod, args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(on_grad(bwd_attr))
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+    for block in model.layers.values():
+        watch(block, "block_fwd_mark", "block_bwd_mark")
+    if model.output is not None:
+        watch(model.output, None, "head_bwd_mark")
+    return switch
+
+
+def _store_phase(result: OneTrace, name: str, tracker: LiveTensorTracker) -> None:
+    info = tracker.peak_info or {"grads": 0, "optimizer": 0}
+    rest = tracker.peak - result.params - info["grads"] - info["optimizer"]
+    result.phases[name] = PhasePeak(tracker.peak, result.params, info["grads"], info["optimizer"], rest)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Strategies log one line each when applied; the planner applies them hundreds of times."""
+    logger = logging.getLogger("paratrain")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@functools.lru_cache(maxsize=1024)
+def trace(key: TraceKey, layers: int) -> Trace:
+    """The rank's step for a part holding `layers` blocks: traced at 1 and 2 blocks, extended linearly."""
+    with _quiet():
+        return Trace(key, trace_once(key, 1), trace_once(key, 2))

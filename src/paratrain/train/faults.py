@@ -1,0 +1,97 @@
+"""Faults: test-only injection (kill or stall a rank at a step) and one-line descriptions of collective failures.
+
+Injection is driven by environment variables that are for tests only (docs/reliability.md). Both take
+"RANK:STEP" and act on the first attempt only, so an elastic restart can finish the run:
+  PARATRAIN_FAULT_KILL   SIGKILLs that rank right after that optimizer step;
+  PARATRAIN_FAULT_STALL  makes that rank sleep forever after that step, so its peers hit --timeout-s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+
+from paratrain.errors import UserError
+
+KILL_ENV = "PARATRAIN_FAULT_KILL"
+STALL_ENV = "PARATRAIN_FAULT_STALL"
+
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
+_PEER_LOST_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
+# where a collective hides in our own code when torch gives no Python frame for it (DDP's backward hooks)
+_CONTEXT = {
+    "forward_backward": "forward/backward (gradient all-reduce or parameter all-gather)",
+    "global_loss": "the loss all-reduce",
+    "clip_grad_norm": "the gradient-norm all-reduce",
+    "optimizer_step": "the optimizer step",
+    "save": "a checkpoint save",
+    "load": "a checkpoint load",
+    "init_runtime": "process-group setup",
+    "parallelize": "model setup",
+}
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer: the message names the operation and the step."""
+
+
+def fault_spec(var: str) -> tuple[int, int] | None:
+    spec = os.environ.get(var)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    try:
+        rank, step = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise UserError(f"{var} must look like RANK:STEP, got {spec!r}") from None
+    return rank, step
+
+
+def fault_hook():
+    """An on_step hook for Trainer.fit that injects the configured faults, or None."""
+    kill, stall = fault_spec(KILL_ENV), fault_spec(STALL_ENV)
+    if kill is None and stall is None:
+        return None
+
+    def hook(trainer, record):
+        here = (trainer.rt.rank, record["step"])
+        if here == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if here == stall:
+            while True:
+                time.sleep(3600)
+
+    return hook
+
+
+def _operation(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    collective = next(
+        (
+            f.name
+            for f in reversed(frames)
+            if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")
+        ),
+        None,
+    )
+    ours = next((f.name for f in reversed(frames) if "paratrain" in f.filename and f.name in _CONTEXT), None)
+    if collective and ours:
+        return f"{collective} during {_CONTEXT[ours]}"
+    if collective:
+        return collective
+    return _CONTEXT[ours] if ours else "a collective"
+
+
+def describe_collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> str | None:
+    """One line naming what failed, or None when `exc` is not a timeout or a lost peer."""
+    text = str(exc).lower()
+    where = f"in {_operation(exc)} at step {step}"
+    if any(word in text for word in _TIMEOUT_WORDS):
+        return (
+            f"rank {rank} timed out after {timeout_s:g} s {where}: another rank stalled or died "
+            f"(--timeout-s sets the limit)"
+        )
+    if any(word in text for word in _PEER_LOST_WORDS):
+        return f"rank {rank} lost a peer {where}: another rank died or its network failed"
+    return None

@@ -1,0 +1,63 @@
+"""bench: strategies x world sizes, the JSON contract, the markdown table and the 3-panel PNG."""
+
+import pytest
+
+from paratrain.bench.scaling import add_efficiency, markdown_table, parse_list
+from paratrain.errors import UserError
+
+RUN_FIELDS = {"strategy", "world_size", "step_time_s", "tokens_per_s", "scaling_efficiency", "predicted_step_time_s",
+              "peak_mem_gib", "predicted_mem_gib", "comm_bytes_per_step"}
+
+
+@pytest.mark.timeout(400)
+def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_and_png(cli, tmp_path):
+    res = cli("bench", "--strategies", "ddp,zero2,zero3", "--nproc", "1,2", "--json", "--plot", "out.png",
+              "--steps", "2", "--warmup", "2", "--seq-len", "32", "--micro-batch", "4", "--timeout-s", "120",
+              timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert set(doc) >= {"runs", "plot"}
+    runs = doc["runs"]
+    assert [(r["strategy"], r["world_size"]) for r in runs] == [(s, n) for s in ("ddp", "zero2", "zero3") for n in (1, 2)]
+    for r in runs:
+        assert RUN_FIELDS <= set(r)
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
+        # weak scaling: 4 sequences per device
+        assert r["global_batch"] == 4 * r["world_size"]
+        if r["world_size"] == 1:
+            assert r["scaling_efficiency"] == pytest.approx(1.0) and not r["comm_bytes_per_step"]
+        else:
+            assert r["scaling_efficiency"] > 0 and r["comm_bytes_per_step"] > 0
+    by = {(r["strategy"], r["world_size"]): r for r in runs}
+    # the same gradients travel in every strategy; ZeRO-3 also re-gathers parameters for backward
+    assert by[("zero3", 2)]["comm_bytes_per_step"] > by[("ddp", 2)]["comm_bytes_per_step"]
+    assert by[("zero3", 2)]["model_state_gib"]["params"] < by[("ddp", 2)]["model_state_gib"]["params"]
+    assert "| strategy | N |" in res.stderr and "| zero3 | 2 |" in res.stderr
+
+    from PIL import Image
+
+    png = tmp_path / "out.png"
+    assert doc["plot"] == "out.png" and png.exists()
+    with Image.open(png) as image:
+        image.load()  # decodes the pixels, not only the header
+        assert image.format == "PNG" and image.size == (1500, 480)
+
+
+def test_bench_rejects_bad_lists_and_unknown_strategies(cli):
+    for args in (("--strategies", "ddp,nope"), ("--strategies", "single", "--nproc", "1,2")):
+        res = cli("bench", *args, "--steps", "1")
+        assert res.returncode == 2 and "error:" in res.stderr, (args, res.stderr[-500:])
+
+
+def test_efficiency_and_table_from_measured_rows():
+    runs = [{"strategy": "ddp", "world_size": n, "tokens_per_s": t, "step_time_s": 0.1, "predicted_step_time_s": None,
+             "peak_mem_gib": 0.5, "predicted_mem_gib": None, "comm_bytes_per_step": 0}
+            for n, t in ((1, 100.0), (2, 150.0), (4, 200.0))]
+    add_efficiency(runs)
+    assert [r["scaling_efficiency"] for r in runs] == pytest.approx([1.0, 0.75, 0.5])
+    assert runs[2]["ideal_tokens_per_s"] == pytest.approx(400.0)
+    table = markdown_table({"runs": runs})
+    assert "| ddp | 4 | 100.0 | 200 | 50% | - |" in table
+    assert parse_list("1, 2,4", "nproc", int) == [1, 2, 4]
+    with pytest.raises(UserError):
+        parse_list(",", "strategies")

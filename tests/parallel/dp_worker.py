@@ -1,0 +1,113 @@
+# Data-parallel checks that need a process group, all in ONE launch (gloo, CPU): verify parity of several
+# strategies against the single-device reference, collective accounting, and ZeRO-1 checkpoints across sizes.
+"""Usage: torchrun --standalone --nproc-per-node N dp_worker.py SPEC.json -> rank 0 prints one JSON line.
+
+SPEC: {"verify": [{"strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null, "ckpt_load": DIR|null,
+       "approx": {"steps": N, "runs": {name: overrides}} | null}
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from paratrain.bench.verify import Tolerance, verify_in_group
+from paratrain.config import TrainConfig
+from paratrain.models.presets import count_params
+from paratrain.parallel.comm import count_collectives
+from paratrain.train.runtime import init_runtime, shutdown
+from paratrain.train.trainer import Trainer
+from paratrain.train.validate import validate_run
+
+
+def config(rt, **overrides) -> TrainConfig:
+    base = {"strategy": "ddp", "nproc": rt.world_size, "device": "cpu", "steps": 5, "metrics": False,
+            "resume": "never", "timeout_s": 120.0}
+    return TrainConfig(**{**base, **overrides})
+
+
+def run_verify(rt, specs: list[dict]) -> list[dict]:
+    out = []
+    for spec in specs:
+        cfg = config(rt, **spec)
+        validate_run(cfg, rt.world_size)
+        report = verify_in_group(cfg, rt, Tolerance.for_dtype(cfg.dtype, cfg.lr, cfg.steps))
+        if rt.is_main:
+            out.append({k: report[k] for k in ("strategy", "dims", "passed", "checks", "max_loss_abs_diff",
+                                               "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes")})
+    return out
+
+
+def step_bytes(rt, strategy: str) -> dict:
+    """Collectives of the second training step (the first builds DDP buckets / FSDP state) by op."""
+    trainer = Trainer(config(rt, strategy=strategy), rt, quiet=True)
+    trainer.train_step(trainer.source.next_step())
+    with count_collectives() as stats:
+        trainer.train_step(trainer.source.next_step())
+    return {"bytes": dict(stats.bytes_by_op), "calls": dict(stats.calls_by_op), "wire": stats.total_wire_bytes,
+            "params": count_params(trainer.args)}
+
+
+def run_comm(rt) -> dict:
+    """Byte counts per strategy, and proof that counting changes no result and leaves nothing installed."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    out = {s: step_bytes(rt, s) for s in ("ddp", "zero1", "zero2", "zero3")}
+    losses = {}
+    for counted in (False, True):
+        trainer = Trainer(config(rt, strategy="zero3"), rt, quiet=True)
+        with count_collectives(enabled=counted):
+            losses[counted] = [trainer.train_step(trainer.source.next_step())["loss"] for _ in range(3)]
+        params = torch.cat([p.detach().to_local().flatten() for p in trainer.step_runner.model.parameters()])
+        losses[f"{counted}-params"] = params.sum().item()
+    out["identical"] = losses[False] == losses[True] and losses["False-params"] == losses["True-params"]
+    out["mode_left_installed"] = _get_current_dispatch_mode() is not None
+    return out
+
+
+def run_checkpoint(rt, save_dir: str | None, load_dir: str | None) -> dict:
+    """ZeRO-1: a 6-step run saving at step 3; a later launch (another world size) resumes from step 3."""
+    out = {}
+    if save_dir:
+        cfg = config(rt, strategy="zero1", steps=6, ckpt_every=3, ckpt_dir=save_dir)
+        out["full_run_loss"] = Trainer(cfg, rt, quiet=True).fit()["final_loss"]
+    if load_dir:
+        for strategy in ("zero1", "ddp"):
+            cfg = config(rt, strategy=strategy, steps=6, ckpt_dir=load_dir, resume=os.path.join(load_dir, "step-3"))
+            trainer = Trainer(cfg, rt, quiet=True)
+            out[f"resumed_{strategy}_loss"] = trainer.fit()["final_loss"]
+    return out
+
+
+def run_approx(rt, steps: int, runs: dict) -> dict:
+    losses = {}
+    for name, overrides in runs.items():
+        losses[name] = Trainer(config(rt, steps=steps, **overrides), rt, quiet=True).fit()["losses"]
+    return losses
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    rt = init_runtime("cpu", 120.0)
+    report = {"world_size": rt.world_size, "verify": run_verify(rt, spec.get("verify", []))}
+    if spec.get("comm"):
+        report["comm"] = run_comm(rt)
+    if spec.get("ckpt_save") or spec.get("ckpt_load"):
+        report["checkpoint"] = run_checkpoint(rt, spec.get("ckpt_save"), spec.get("ckpt_load"))
+    if spec.get("approx"):
+        report["approx"] = run_approx(rt, spec["approx"]["steps"], spec["approx"]["runs"])
+    dist.barrier()
+    if rt.is_main:
+        print(json.dumps(report), flush=True)
+    gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Multi-rank pipeline checks in ONE process group per world size (run by test_pipeline.py).
+
+    python tests/parallel/pipeline_checks.py 2|4 CKPT_DIR   -> one JSON document on stdout
+
+For each layout: a single-device reference Trainer on rank 0 (same seed, weights, batches) against the
+pipelined Trainer, with paratrain verify's comparison (bench/verify.py build_result, fp32 tolerances).
+The 2-rank group also saves a checkpoint from one stage layout and resumes it into another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# paratrain verify's defaults (global batch 16, seq 64, lr warm-up over 5 steps), 3 steps
+BASE = {"steps": 3, "timeout_s": 120.0, "device": "cpu", "resume": "never", "ckpt_every": 0, "metrics": False}
+
+LAYOUTS = {
+    2: {
+        "gpipe": {"strategy": "pp", "pp_schedule": "gpipe", "microbatches": 2},
+        "1f1b": {"strategy": "pp", "pp_schedule": "1f1b", "microbatches": 4},
+        "interleaved-1f1b": {"strategy": "pp", "model": "tiny4", "pp_schedule": "interleaved-1f1b",
+                             "virtual_stages": 2, "microbatches": 4},
+        "zero-bubble": {"strategy": "pp", "model": "tiny4", "pp_schedule": "zero-bubble", "virtual_stages": 2,
+                        "microbatches": 4},
+        "model": {"strategy": "model"},
+        "micro-batch": {"strategy": "pp", "pp_schedule": "1f1b", "micro_batch": 4},  # 16 / 4 -> 4 micro-batches
+    },
+    4: {
+        "1f1b-pp4": {"strategy": "pp", "model": "tiny4", "pp_schedule": "1f1b"},
+        "pp2-dp_shard2": {"strategy": "pp", "pp": 2, "dp_shard": 2, "microbatches": 2},
+        "pp2-ddp2": {"strategy": "pp", "pp": 2, "dp_replicate": 2, "microbatches": 2},
+        "pp2-tp2": {"strategy": "pp", "pp": 2, "tp": 2, "microbatches": 2},
+    },
+}
+
+
+def check_layout(rt, overrides: dict) -> dict | None:
+    import torch.distributed as dist
+
+    from paratrain.bench.verify import Tolerance, build_result, full_tensors, gather_to_rank0, run_steps
+    from paratrain.config import TrainConfig
+    from paratrain.parallel.dims import ParallelDims
+    from paratrain.train.trainer import Trainer
+
+    cfg = TrainConfig(**{**BASE, **overrides})
+    reference = None
+    if rt.is_main:
+        ref_cfg = cfg.model_copy(update={"strategy": "single", "micro_batch": None, "pp": None, "dp_shard": None,
+                                         "dp_replicate": None, "tp": None})
+        ref = Trainer(ref_cfg, rt, quiet=True, dims=ParallelDims(world_size=1))
+        reference = (run_steps(ref, cfg.steps), full_tensors(ref.step_runner.model_parts, "grad"),
+                     full_tensors(ref.step_runner.model_parts, "param"))
+    trainer = Trainer(cfg, rt, quiet=True)
+    losses = run_steps(trainer, cfg.steps)
+    grads = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "grad"))
+    params = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "param"))
+    timing = trainer.step_runner.timing_report()
+    every_loss: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_loss, losses)
+    if not rt.is_main:
+        return None
+    result = build_result(cfg, trainer.dims, Tolerance.for_dtype("fp32"), reference, losses, grads, params, {})
+    return {"passed": result["passed"], "checks": result["checks"], "max_loss_abs_diff": result["max_loss_abs_diff"],
+            "max_grad_rel_diff": result["max_grad_rel_diff"], "max_param_abs_diff": result["max_param_abs_diff"],
+            "same_loss_on_every_rank": all(x == losses for x in every_loss), "timing": timing,
+            "n_parts_rank0": len(trainer.step_runner.model_parts)}
+
+
+def check_checkpoint_across_layouts(rt, ckpt_dir: str) -> dict | None:
+    """Save after 2 steps of interleaved (2 stages/rank), resume into 1F1B (1 stage/rank): the parameters
+    and the next step's loss must match exactly."""
+
+    from paratrain.bench.verify import full_tensors, gather_to_rank0, run_steps
+    from paratrain.config import TrainConfig
+    from paratrain.train.trainer import Trainer
+
+    common = {**BASE, "model": "tiny4", "steps": 3, "ckpt_dir": ckpt_dir}
+    saver = Trainer(TrainConfig(**{**common, **LAYOUTS[2]["interleaved-1f1b"]}), rt, quiet=True)
+    run_steps(saver, 2)
+    path = str(saver.save_checkpoint())
+    saved = gather_to_rank0(full_tensors(saver.step_runner.model_parts, "param"))
+    next_loss = run_steps(saver, 1)[0]
+    resumed = Trainer(TrainConfig(**{**common, "strategy": "pp", "pp_schedule": "1f1b", "microbatches": 2,
+                                     "resume": path}), rt, quiet=True)
+    resumed.maybe_resume()
+    loaded = gather_to_rank0(full_tensors(resumed.step_runner.model_parts, "param"))
+    resumed_loss = run_steps(resumed, 1)[0]
+    if not rt.is_main:
+        return None
+    same = set(saved) == set(loaded) and all(bool((saved[k] == loaded[k]).all()) for k in saved)
+    return {"params_equal": same, "n_params": len(saved), "step": resumed.step, "next_loss": next_loss,
+            "resumed_loss": resumed_loss}
+
+
+def checks_worker(world: int, ckpt_dir: str) -> dict | None:
+    from paratrain.train.runtime import init_runtime, shutdown
+    from paratrain.train.worker import setup_logging
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    rt = init_runtime("cpu", 120.0)
+    results = {name: check_layout(rt, overrides) for name, overrides in LAYOUTS[world].items()}
+    if world == 2:
+        results["checkpoint"] = check_checkpoint_across_layouts(rt, ckpt_dir)
+    shutdown()
+    return results if rt.is_main else None
+
+
+def main() -> None:
+    from paratrain.train.launch import run_workers
+
+    world, ckpt_dir = int(sys.argv[1]), sys.argv[2]
+    results = run_workers(checks_worker, (world, ckpt_dir), nproc=world, timeout_s=120.0)[0]
+    print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Context parallel: zigzag layout, ring / Ulysses parity with full causal SDPA, and `paratrain verify` runs.
+
+References: attention parity is against F.scaled_dot_product_attention(is_causal=True) on the full sequence
+(fp32, atol 1e-5 on outputs and input gradients); verify runs are against the single-device trainer with the
+harness's fp32 tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import cli_env
+from paratrain.errors import UserError
+from paratrain.parallel.context_parallel import check_cp, sequence_sharder
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.ring_attention import zigzag_positions
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_zigzag_layout_balances_the_causal_work():
+    seq, cp = 16, 4
+    shards = [zigzag_positions(seq, cp, r) for r in range(cp)]
+    assert shards[0].tolist() == [0, 1, 14, 15] and shards[3].tolist() == [6, 7, 8, 9]
+    assert sorted(torch.cat(shards).tolist()) == list(range(seq))
+    # causal work of a rank = sum over its queries of (position + 1): equal on every rank
+    assert len({int((s + 1).sum()) for s in shards}) == 1
+    with pytest.raises(UserError, match=r"sequence length \(18\) to be a multiple of 2\*cp=8"):
+        zigzag_positions(18, cp, 0)
+
+
+def test_sequence_sharder_gives_global_positions():
+    dims = SimpleNamespace(cp=2, submesh=lambda name: SimpleNamespace(get_local_rank=lambda: 1))
+    inputs = torch.arange(16).view(2, 8)
+    local_in, local_tg, extra = sequence_sharder(dims)(inputs, inputs + 100)
+    assert extra["positions"].tolist() == [2, 3, 4, 5]
+    assert local_in.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]] and local_tg[0, 0] == 102
+
+
+def test_check_cp_names_heads_and_cp():
+    args = SimpleNamespace(n_heads=4)
+    check_cp(args, ParallelDims(cp=4, world_size=4), "ulysses")
+    check_cp(args, ParallelDims(cp=8, world_size=8), "ring")  # ring does not split heads
+    with pytest.raises(UserError, match="heads=2 is not divisible by cp=4"):
+        check_cp(args, ParallelDims(cp=4, tp=2, world_size=8), "ulysses")  # 4 heads / tp 2 = 2 local heads
+
+
+@pytest.mark.timeout(300)
+def test_ring_and_ulysses_match_full_sdpa_on_four_ranks():
+    """One 4-rank process group: cp=2 (two pairs) and cp=4, seq 24 and 48, outputs + dq/dk/dv."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "cp_parity_worker.py")], capture_output=True,
+                          text=True, timeout=280, env=cli_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for impl in ("ring", "ulysses"):
+        for cp in (2, 4):
+            for seq in (24, 48):
+                assert result[f"{impl}_cp{cp}_seq{seq}"] <= 1e-5, result
+    assert result["ring_bf16_dtype_ok"] is True
+    assert "multiple of 2*cp=8" in result["err_seq"] and "heads=6" in result["err_heads"]
+
+
+def _verify(cli, *args: str, timeout: float = 280) -> dict:
+    res = cli("verify", *args, "--json", timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = res.json()
+    assert report["passed"] is True, report
+    return report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["cp-ring", "cp-ulysses"])
+def test_verify_cp_two_ranks(cli, strategy):
+    report = _verify(cli, "--strategy", strategy, "--nproc", "2", "--steps", "3", "--timeout-s", "120")
+    assert report["dims"]["cp"] == 2 and report["world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_verify_fsdp_times_cp_four_ranks(cli):
+    report = _verify(cli, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--nproc", "4",
+                     "--steps", "3", "--timeout-s", "200")
+    assert report["dims"]["dp_shard"] == 2 and report["dims"]["cp"] == 2
+
+
+@pytest.mark.timeout(600)
+def test_verify_three_d_mesh_eight_ranks(cli):
+    """dp_shard 2 x cp 2 x tp 2: FSDP over dp_shard_cp, ring attention on each TP rank's local heads."""
+    report = _verify(cli, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--tp", "2",
+                     "--nproc", "8", "--steps", "2", "--timeout-s", "300", timeout=580)
+    assert report["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+
+
+def test_bad_cp_layouts_fail_before_launch(monkeypatch):
+    """validate_run (what every command runs before starting processes) names the offending numbers."""
+    from paratrain.config import load_config
+    from paratrain.train.validate import validate_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UserError, match="heads=4 is not divisible by cp=8"):
+        validate_run(load_config(None, {"strategy": "cp-ulysses", "nproc": 8}), 8)
+    with pytest.raises(UserError, match=r"multiple of 2\*cp=4"):
+        validate_run(load_config(None, {"strategy": "cp-ring", "nproc": 2, "seq_len": 66}), 2)
+    # pipeline x context parallel is refused, not silently wrong
+    with pytest.raises(UserError, match="does not combine with context parallelism"):
+        validate_run(load_config(None, {"strategy": "pp", "pp": 2, "cp": 2, "nproc": 4}), 4)

@@ -1,0 +1,184 @@
+"""Data-parallel family: ZeRO-1/2/3, HSDP, comm hooks, local SGD, collective accounting, model-state bytes.
+
+Parity reference: bench/verify.py's single-device run of the same seed and batches, fp32 tolerances (loss 1e-5
+relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). Two launches (2 and 4 ranks, gloo) run every
+multi-rank check through dp_worker.py; the approximate methods (fp16 / PowerSGD hooks, local SGD) must end
+within 3% of DDP's loss (mean of the last 10 steps) after the same number of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import cli_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PSI = 131392  # parameters of the tiny preset
+APPROX_STEPS = 300
+APPROX_RUNS = {"ddp": {}, "fp16": {"ddp_comm_hook": "fp16"}, "powersgd": {"ddp_comm_hook": "powersgd"},
+               "local_sgd": {"local_sgd_period": 4}}
+
+
+def launch(nproc: int, spec: dict, tmp_path, timeout: int) -> dict:
+    spec_file = tmp_path / f"spec-{nproc}.json"
+    spec_file.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(HERE, "dp_worker.py"), str(spec_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(),
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero1-ckpt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, ckpt_dir):
+    spec = {"verify": [{"strategy": s} for s in ("zero1", "zero2", "zero3")], "comm": True,
+            "ckpt_save": str(ckpt_dir), "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS}}
+    return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
+    spec = {"verify": [{"strategy": s} for s in ("zero1", "zero2", "zero3")] +
+            [{"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}], "ckpt_load": str(ckpt_dir)}
+    return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=400)
+
+
+# -- parity -----------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(420)
+def test_zero_stages_match_single_device_at_two_ranks(two_ranks):
+    for report in two_ranks["verify"]:
+        assert report["passed"], report
+    assert [r["dims"]["dp_replicate"] * r["dims"]["dp_shard"] for r in two_ranks["verify"]] == [2, 2, 2]
+
+
+@pytest.mark.timeout(420)
+def test_zero_stages_and_hsdp_match_single_device_at_four_ranks(four_ranks):
+    reports = {r["strategy"]: r for r in four_ranks["verify"]}
+    for report in reports.values():
+        assert report["passed"], report
+    assert reports["hsdp"]["dims"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
+
+
+@pytest.mark.timeout(200)
+def test_verify_cli_reports_model_state_bytes(cli):
+    res = cli("verify", "--strategy", "zero2", "--nproc", "2", "--steps", "3", "--timeout-s", "150", "--json",
+              timeout=190)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["passed"] and doc["dims"]["dp_shard"] == 2
+    assert set(doc["model_state_bytes"]["mean"]) >= {"params", "grads", "optimizer", "total"}
+    assert len(doc["model_state_bytes"]["per_rank"]) == 2
+
+
+# -- model-state bytes: exact for fp32 AdamW (step counters are the only extra) ----------------------------------
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_follow_zero_formulas(two_ranks, four_ranks, world):
+    reports = {r["strategy"]: r["model_state_bytes"]["mean"] for r in (two_ranks if world == 2 else four_ranks)["verify"]}
+    full, shard = 4 * PSI, 4 * PSI / world
+    expect = {"zero1": (full, full, 2 * shard), "zero2": (full + shard, shard, 2 * shard),
+              "zero3": (shard, shard, 2 * shard)}
+    for strategy, (params, grads, optimizer) in expect.items():
+        got = reports[strategy]
+        assert got["params"] == pytest.approx(params, rel=1e-3), (strategy, got)
+        assert got["grads"] == pytest.approx(grads, rel=1e-3), (strategy, got)
+        assert got["optimizer"] == pytest.approx(optimizer, rel=1e-3), (strategy, got)
+
+
+# -- collective accounting ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(420)
+def test_collective_bytes_per_step(two_ranks):
+    comm = two_ranks["comm"]
+    grads = 4 * PSI
+    # the DDP reducer's bucket all-reduces come from C++; the few extra bytes are the loss and grad-norm scalars
+    assert grads <= comm["ddp"]["bytes"]["all_reduce"] <= grads + 256
+    assert comm["zero1"]["bytes"]["broadcast"] == pytest.approx(grads, abs=512)  # each owner sends its shard
+    assert comm["zero2"]["bytes"]["all_gather"] == grads and comm["zero2"]["bytes"]["reduce_scatter"] == grads
+    assert comm["zero3"]["bytes"]["all_gather"] == 2 * grads and comm["zero3"]["bytes"]["reduce_scatter"] == grads
+    ring = (2 - 1) / 2
+    assert comm["zero3"]["wire"] == pytest.approx(1.5 * comm["ddp"]["wire"], rel=1e-3)
+    assert comm["ddp"]["wire"] == pytest.approx(2 * ring * grads, rel=1e-3)
+    assert comm["identical"], "counting collectives changed the losses or parameters"
+    assert not comm["mode_left_installed"]
+
+
+def test_ring_factors_and_disabled_counter_installs_nothing():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from paratrain.parallel.comm import count_collectives, ring_factor
+
+    assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("all_gather", 4) == 0.75
+    assert ring_factor("reduce_scatter", 1) == 0.0 and ring_factor("p2p", 8) == 1.0
+    with count_collectives(enabled=False) as stats:
+        assert _get_current_dispatch_mode() is None
+    assert stats.total_bytes == 0 and dict(stats.calls_by_op) == {}
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(420)
+def test_zero1_checkpoint_resumes_at_another_world_size(two_ranks, four_ranks):
+    full, resumed = two_ranks["checkpoint"]["full_run_loss"], four_ranks["checkpoint"]
+    # saved at step 3 by 2 ranks; resumed by 4 ranks as zero1 (states resharded) and as plain DDP/AdamW
+    assert resumed["resumed_zero1_loss"] == pytest.approx(full, rel=1e-5)
+    assert resumed["resumed_ddp_loss"] == pytest.approx(full, rel=1e-5)
+
+
+# -- approximations: not parity, but close to DDP ----------------------------------------------------------------
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", ["fp16", "powersgd", "local_sgd"])
+def test_approximate_methods_end_within_3_percent_of_ddp(two_ranks, name):
+    losses = two_ranks["approx"]
+    assert len(losses[name]) == APPROX_STEPS
+
+    def final(run):
+        return sum(losses[run][-10:]) / 10
+
+    assert abs(final(name) - final("ddp")) <= 0.03 * final("ddp"), (name, final(name), final("ddp"))
+
+
+# -- wrong combinations: one line, exit 2, before any process starts ---------------------------------------------
+WRONG = {
+    "offload-ddp": ({"strategy": "ddp", "cpu_offload": True}, 2, "--cpu-offload needs a sharded strategy"),
+    "offload-cpu": ({"strategy": "zero3", "cpu_offload": True, "device": "cpu"}, 2, "has no CUDA device"),
+    "bf16-gloo": ({"strategy": "ddp", "ddp_comm_hook": "bf16", "device": "cpu"}, 2, "bf16 needs NCCL"),
+    "hook-fsdp": ({"strategy": "zero3", "ddp_comm_hook": "fp16"}, 2, "needs DDP"),
+    "localsgd-zero1": ({"strategy": "zero1", "local_sgd_period": 4}, 2, "needs plain ddp"),
+    "localsgd-and-hook": ({"strategy": "ddp", "local_sgd_period": 4, "ddp_comm_hook": "fp16"}, 2, "pick one"),
+    "hsdp-product": ({"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 3}, 4, "multiply to 6"),
+    "hsdp-1d": ({"strategy": "hsdp", "dp_replicate": 4}, 4, "hsdp needs --dp-replicate >= 2 and --dp-shard"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_combinations_are_user_errors(name):
+    from paratrain.config import TrainConfig
+    from paratrain.errors import UserError
+    from paratrain.train.validate import validate_run
+
+    overrides, world, needle = WRONG[name]
+    with pytest.raises(UserError, match=re.escape(needle)):
+        validate_run(TrainConfig(**overrides), world)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,needle", [
+    (("--strategy", "zero3", "--cpu-offload", "--device", "cpu"), "has no CUDA device"),
+    (("--strategy", "hsdp", "--dp-replicate", "2", "--dp-shard", "3", "--nproc", "4"), "multiply to 6"),
+], ids=["offload-cpu", "hsdp-product"])
+def test_wrong_combinations_exit_2_with_one_line(cli, args, needle):
+    res = cli("train", *args, "--steps", "2", timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], res.stderr

@@ -1,0 +1,168 @@
+# Multi-rank checks for tensor / sequence parallel, run in ONE process group of 2 ranks (gloo, CPU).
+# Every check compares against the same module unsharded on one device (the reference), fp32.
+"""Usage: torchrun --standalone --nproc-per-node 2 tp_parity_worker.py -> rank 0 prints one JSON line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
+
+import paratrain
+from paratrain.models.llama import ModelArgs
+from paratrain.models.presets import build_model, get_preset
+from paratrain.parallel.comm import count_collectives
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.tensor_parallel import ReplicateParallel, apply_tp
+from paratrain.train.step import lm_loss
+
+TP = 2
+RTOL, ATOL = 1e-5, 1e-6  # fp32: only the summation order of the tp reductions differs from the reference
+
+
+class UserBlock(nn.Module):
+    """Not a paratrain model: multi-head self-attention + MLP with biases, its own names and head count."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, hidden: int = 96):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.norm = nn.LayerNorm(dim)
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q, k, v = (m(h).view(b, s, -1, self.head_dim).transpose(1, 2) for m in (self.query, self.key, self.value))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.proj(attn)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+USER_PLAN = {"norm": ReplicateParallel(), "query": ColwiseParallel(), "key": ColwiseParallel(),
+             "value": ColwiseParallel(), "proj": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def max_rel_error(ref: nn.Module, got: nn.Module, kind: str) -> float:
+    """Largest |got - ref| / (ATOL + RTOL*|ref|) over every parameter (kind="param") or gradient: <= 1 passes."""
+    worst = 0.0
+    named = dict(got.named_parameters())
+    for name, r in ref.named_parameters():
+        g = named[name]
+        r, g = (r.grad, g.grad) if kind == "grad" else (r, g)
+        err = (full(g).detach() - r.detach()).abs() / (ATOL + RTOL * r.detach().abs())
+        worst = max(worst, float(err.max()))
+    return worst
+
+
+def check_user_model(dims: ParallelDims) -> dict:
+    """paratrain.parallelize(model, dims, tp_plan=...) on a user module: 3 SGD steps, outputs/grads/params."""
+    torch.manual_seed(0)
+    ref = UserBlock()
+    model = paratrain.parallelize(copy.deepcopy(ref), dims, tp_plan=USER_PLAN)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    out_err = 0.0
+    for step in range(3):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            out = m(x)
+            out.pow(2).mean().backward()
+            outs.append(full(out).detach())
+        out_err = max(out_err, float(((outs[1] - outs[0]).abs() / (ATOL + RTOL * outs[0].abs())).max()))
+        grad_err = max_rel_error(ref, model, "grad")
+        for opt in opts:
+            opt.step()
+    sharded = sorted(n for n, p in model.named_parameters() if getattr(p, "placements", None) and
+                     not p.placements[0].is_replicate())
+    return {"out": out_err, "grad": grad_err, "param": max_rel_error(ref, model, "param"), "sharded": sharded}
+
+
+def lm_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def check_builtin_plan(dims: ParallelDims, preset: str, sp: bool, use_loss_parallel: bool = False) -> dict:
+    """A paratrain model with its own plan: loss and every gradient of one forward/backward."""
+    args = get_preset(preset)
+    ref = build_model(args, "cpu", seed=0)
+    model = apply_tp(copy.deepcopy(ref), dims.submesh("tp"), sp=sp, loss_parallel=use_loss_parallel)
+    inputs, targets = lm_batch(args.vocab_size)
+    ref_loss = lm_loss(ref(inputs), targets)
+    ref_loss.backward()
+    logits = model(inputs)
+    if use_loss_parallel:
+        with loss_parallel():
+            loss = lm_loss(logits, targets)
+            loss.backward()
+    else:
+        loss = lm_loss(logits, targets)
+        loss.backward()
+    loss, ref_loss = full(loss).detach(), ref_loss.detach()
+    loss_err = abs(float(loss) - float(ref_loss)) / (ATOL + RTOL * abs(float(ref_loss)))
+    return {"loss": loss_err, "grad": max_rel_error(ref, model, "grad"), "logits_dtensor": hasattr(logits, "placements")}
+
+
+def check_pipeline_stage(dims: ParallelDims, sp: bool) -> float:
+    """A middle pipeline stage (no embedding, no head): whole hidden states in and out, grads of the input."""
+    ref = build_model(get_preset("tiny"), "cpu", seed=0)
+    ref.tok_embeddings = ref.norm = ref.output = None
+    del ref.layers["0"]
+    model = apply_tp(copy.deepcopy(ref), dims.submesh("tp"), sp=sp)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for m in (ref, model):
+        h = x.clone().requires_grad_()
+        out = m(h)
+        out.pow(2).sum().backward()
+        outs.append(full(out).detach())
+        grads.append(h.grad)
+    err = [((g - r).abs() / (ATOL + RTOL * r.abs())).max() for g, r in zip((outs[1], grads[1]), (outs[0], grads[0]))]
+    return max(float(max(err)), max_rel_error(ref, model, "grad"))
+
+
+def per_layer_bytes(dims: ParallelDims, sp: bool) -> dict:
+    """Collective payload bytes of one layer's forward+backward (2-layer run minus 1-layer run), by op."""
+    counts = []
+    for n_layers in (1, 2):
+        args = ModelArgs(vocab_size=256, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=192)
+        model = apply_tp(build_model(args, "cpu", seed=0), dims.submesh("tp"), sp=sp)
+        inputs, targets = lm_batch(args.vocab_size)
+        with count_collectives() as stats:
+            lm_loss(model(inputs), targets).backward()
+        counts.append(dict(stats.bytes_by_op))
+    return {op: counts[1].get(op, 0) - counts[0].get(op, 0) for op in counts[1]}
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    dims = ParallelDims(tp=TP, world_size=dist.get_world_size())
+    dims.build_mesh("cpu")
+    results = {"user_model": check_user_model(dims)}
+    for preset, sp, lp in (("tiny", False, True), ("tiny", True, True), ("gpt2-tiny", False, False),
+                           ("gpt2-tiny", True, False)):
+        results[f"{preset}{'-sp' if sp else ''}{'-loss-parallel' if lp else ''}"] = check_builtin_plan(dims, preset, sp, lp)
+    results["stage"] = {"tp": check_pipeline_stage(dims, False), "tp-sp": check_pipeline_stage(dims, True)}
+    results["bytes_per_layer"] = {"tp": per_layer_bytes(dims, False), "tp-sp": per_layer_bytes(dims, True)}
+    if dist.get_rank() == 0:
+        print(json.dumps(results), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

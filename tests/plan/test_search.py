@@ -1,0 +1,73 @@
+"""Search, layouts and the time model's formulas: unit checks against hand computations."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.models.presets import get_preset
+from paratrain.plan.collectives import collective_time, placement, wire_bytes
+from paratrain.plan.hardware import get_gpu, profile_from_spec
+from paratrain.plan.layout import Layout, layout_from_config
+from paratrain.plan.memory import in_flight
+from paratrain.plan.search import Job, base_layouts, structural_problem
+from paratrain.plan.time import pipeline_factor
+
+
+def test_ring_formulas():
+    prof = profile_from_spec(get_gpu("h100-sxm"))
+    n, size = 8, 1e9
+    assert wire_bytes("all_reduce", size, n) == pytest.approx(2 * 7 / 8 * size)
+    assert wire_bytes("all_gather", size, n) == pytest.approx(7 / 8 * size)
+    t = collective_time(prof, "all_reduce", size, n, "intra")
+    bw = 450 * 0.8 * 1e9
+    assert t == pytest.approx(2 * 7 / 8 * size / bw + 2 * 7 * 10e-6)
+    assert collective_time(prof, "all_reduce", size, 1, "intra") == 0.0
+    assert collective_time(prof, "all_gather", size, n, "inter") > 5 * collective_time(prof, "all_gather", size, n, "intra")
+
+
+def test_placement_keeps_inner_dims_in_a_node():
+    lay = Layout(dp_shard=4, tp=4)  # 16 GPUs, 8 per node
+    assert placement(lay, "tp", 8) == "intra"
+    assert placement(lay, "dp_shard", 8) == "inter"
+    assert placement(Layout(dp_replicate=2, tp=4), "dp", 8) == "intra"
+
+
+def test_pipeline_bubble_and_in_flight():
+    assert pipeline_factor("1f1b", 4, 8, 1) == (8.0, 3.0)
+    assert pipeline_factor("interleaved-1f1b", 4, 8, 2) == (8.0, 1.5)
+    assert pipeline_factor("zero-bubble", 4, 8, 2)[1] == pytest.approx(0.5)
+    assert [in_flight("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", 4, 0, 8, 1) == 8
+
+
+def test_base_layouts_respect_fixed_choices():
+    job = Job(args=get_preset("small"), model_name="small", gpus=8, seq_len=256, global_batch=16)
+    layouts = base_layouts(job, {"tp": 2, "pp": 1}, 8)
+    assert layouts and all(lay.tp == 2 and lay.pp == 1 and lay.world == 8 for lay in layouts)
+    assert all(lay.cp == 1 for lay in layouts)  # short sequences: CP is not searched unless asked for
+    assert {lay.strategy for lay in layouts} >= {"zero3", "zero2", "ddp", "zero1", "hsdp"}
+
+
+def test_structural_checks_use_the_runtime_rules():
+    job = Job(args=get_preset("tiny"), model_name="tiny", gpus=8, seq_len=64, global_batch=8)
+    assert "does not divide" in structural_problem(job, Layout(tp=8), 8)  # tiny has 4 heads
+    assert structural_problem(job, Layout(dp_shard=8, micro_batch=1, microbatches=1), 8) is None
+
+
+def test_candidates_run_unchanged_through_train_config():
+    """A candidate's `paratrain train` arguments resolve to the very layout the planner evaluated."""
+    from paratrain.cli import resolve_config
+
+    job = Job(args=get_preset("tiny4"), model_name="tiny4", gpus=4, seq_len=64, global_batch=8)
+    for lay in [Layout(dp_shard=2, tp=2, sp=True, zero_stage=3, micro_batch=2, microbatches=2, ac="selective"),
+                Layout(pp=2, dp_replicate=2, pp_schedule="1f1b", micro_batch=1, microbatches=4),
+                Layout(dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch=1, microbatches=2),
+                Layout(dp_replicate=4, zero_stage=1, micro_batch=2, microbatches=1),
+                Layout(cp=2, dp_shard=2, cp_impl="ulysses", zero_stage=3, micro_batch=4, microbatches=1)]:
+        argv = lay.train_args(job.model_name, job.seq_len, job.global_batch, "fp32")
+        opts = {argv[i][2:].replace("-", "_"): argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("--")
+                and not argv[i + 1].startswith("--")}
+        opts = {k: (int(v) if v.isdigit() else v) for k, v in opts.items()}
+        opts["sp"] = "--sp" in argv
+        cfg = resolve_config({**opts, "config": None})
+        assert layout_from_config(cfg, lay.world) == lay, lay.label()
