@@ -73,7 +73,7 @@ class ChunkMemory:
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
     return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
                     sp=layout.sp and layout.tp > 1, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
-                    dtype=dtype, device_type=device_type, accumulate=layout.microbatches > 1)
+                    dtype=dtype, device_type=device_type)
 
 
 def _autocast_weight_copies(tr: Trace, layers: int, dtype: str) -> float:

@@ -20,7 +20,7 @@ from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_st
 from paratrain.plan.time import TimeEstimate, estimate_time
 
 AC_ORDER = ("none", "selective", "full")
-CP_MIN_SEQ = 4096  # context parallelism is searched from this sequence length up (or when --cp is given)
+CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 
 
 @dataclass

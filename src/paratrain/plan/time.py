@@ -114,9 +114,8 @@ class ChunkTime:
 def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
                dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
-    fwd = tr.op_sum("fwd", layers, op_cost(profile, dtype, "fwd"))
-    bwd = tr.op_sum("bwd", layers, op_cost(profile, dtype, "bwd"))
-    opt = tr.op_sum("opt", layers, op_cost(profile, dtype, "opt"))
+    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), (id(profile), dtype))
+                     for phase in ("fwd", "bwd", "opt"))
     gpn = profile.gpu.gpus_per_node
     tp_t = cp_t = 0.0
     for phase in ("fwd", "bwd"):

@@ -46,7 +46,9 @@ class TraceKey:
     ac: str = "none"
     dtype: str = "fp32"
     device_type: str = "cpu"  # picks the optimizer flavour the trainer uses (foreach on CPU, fused on CUDA)
-    accumulate: bool = False  # also trace a second micro-batch accumulating into existing gradients
+    # also trace a second micro-batch accumulating into existing gradients (always on: one key serves layouts
+    # with and without accumulation, the first micro-batch's peak is recorded on the way)
+    accumulate: bool = True
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Trace:
 
     def __init__(self, key: TraceKey, lo: OneTrace, hi: OneTrace):
         self.key, self.lo, self.hi = key, lo, hi
+        self._sums: dict = {}  # (phase, cost identity) -> (sum at lo, sum at hi)
 
     def _k(self, layers: int) -> float:
         return (layers - self.lo.layers) / (self.hi.layers - self.lo.layers)
@@ -105,10 +108,16 @@ class Trace:
     def phase(self, name: str, layers: int) -> PhasePeak:
         return self.lo.phases[name].scaled(self.hi.phases[name], self._k(layers))
 
-    def op_sum(self, phase: str, layers: int, cost) -> float:
-        """Sum of cost(kind, flops, bytes, dtensor) over one micro-batch's ops of `phase` (fwd/bwd/opt), extended."""
-        a = sum(n * cost(k, f, b, d) for k, f, b, n, d in self.lo.ops[phase])
-        b = sum(n * cost(k, f, b, d) for k, f, b, n, d in self.hi.ops[phase])
+    def op_sum(self, phase: str, layers: int, cost, cost_id=None) -> float:
+        """Sum of cost(kind, flops, bytes, dtensor) over one micro-batch's ops of `phase` (fwd/bwd/opt), extended.
+        `cost_id` names the cost function so the sums are computed once per trace."""
+        cached = self._sums.get((phase, cost_id)) if cost_id is not None else None
+        if cached is None:
+            cached = (sum(n * cost(k, f, b, d) for k, f, b, n, d in self.lo.ops[phase]),
+                      sum(n * cost(k, f, b, d) for k, f, b, n, d in self.hi.ops[phase]))
+            if cost_id is not None:
+                self._sums[(phase, cost_id)] = cached
+        a, b = cached
         return a + self._k(layers) * (b - a)
 
     def comm_at(self, phase: str, layers: int) -> list[tuple[str, float, str]]:
@@ -367,8 +376,13 @@ def _quiet():
         logger.setLevel(level)
 
 
+def trace(key: TraceKey, layers: int | None = None) -> Trace:
+    """The rank's step for a part of any depth: traced at 1 and 2 blocks (once per key), extended linearly
+    by the Trace's accessors, which take the depth."""
+    return _trace_pair(key)
+
+
 @functools.lru_cache(maxsize=1024)
-def trace(key: TraceKey, layers: int) -> Trace:
-    """The rank's step for a part holding `layers` blocks: traced at 1 and 2 blocks, extended linearly."""
+def _trace_pair(key: TraceKey) -> Trace:
     with _quiet():
         return Trace(key, trace_once(key, 1), trace_once(key, 2))

@@ -1,0 +1,46 @@
+"""`plan --calibrate` (microbenchmarks on 2 gloo ranks -> a profile `--hardware` reads) and `--strategy auto`."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.config import TrainConfig
+from paratrain.plan.auto import resolve_auto_strategy
+from paratrain.plan.hardware import load_profile
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
+    profile = tmp_path / "cpu.json"
+    res = cli("plan", "--calibrate", "--hardware", str(profile), "--nproc", "2", "--json", timeout=280)
+    assert res.returncode == 0, res.stderr
+    prof = load_profile(profile)
+    assert prof.calibrated and prof.gpu.name == "cpu" and prof.dtype_tflops["fp32"] > 0
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        assert prof.collectives[kind]["busbw_gbs"] > 0
+    assert prof.compute_scale > 0 and prof.op_overhead_us["fwd"] > 0
+    plan = cli("plan", "--model", "tiny", "--hardware", str(profile), "--gpus", "2", "--seq-len", "64",
+               "--global-batch", "8", "--dtype", "fp32", "--json", "--top", "3")
+    assert plan.returncode == 0, plan.stderr
+    doc = plan.json()
+    assert doc["cluster"]["calibrated"] and doc["fits"] and doc["candidates"][0]["step_time_s"] > 0
+
+
+def test_auto_picks_a_runnable_layout(monkeypatch, tmp_path):
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))  # no saved profile: the catalog's cpu entry
+    cfg = TrainConfig(model="tiny", strategy="auto", nproc=2, device="cpu", seq_len=64, global_batch=8)
+    resolved = resolve_auto_strategy(cfg)
+    assert resolved.strategy != "auto" and resolved.nproc == 2
+    from paratrain.train.validate import validate_run
+
+    dims = validate_run(resolved, 2)
+    assert dims.world_size == 2
+
+
+@pytest.mark.timeout(200)
+def test_train_strategy_auto_runs(cli):
+    res = cli("train", "--strategy", "auto", "--model", "tiny", "--nproc", "2", "--steps", "2", "--device", "cpu",
+              "--seq-len", "32", "--global-batch", "4", "--timeout-s", "120", "--json", "--no-metrics", timeout=190)
+    assert res.returncode == 0, res.stderr
+    assert "--strategy auto" in res.stderr and "because:" in res.stderr
+    assert res.json()["steps"] == 2
