@@ -18,3 +18,16 @@ class CheckFailed(Exception):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UserError(message)
+
+
+def read_json_file(path, label: str):
+    """Parse a JSON file the user named; any failure is one UserError line mentioning `label`."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {label} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{label} {path} is not valid JSON: {exc}") from None

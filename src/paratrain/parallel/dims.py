@@ -63,10 +63,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -78,15 +74,8 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
     def degrees(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in DIM_NAMES}
-
-    def to_dict(self) -> dict[str, int]:
-        return self.degrees()
 
     # -- rank arithmetic ---------------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, read_json_file
 
 
 @dataclass(frozen=True)
@@ -182,12 +182,7 @@ def profile_from_spec(spec: GPUSpec) -> HardwareProfile:
 
 def load_profile(path: str | Path) -> HardwareProfile:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read hardware profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"hardware profile {path} is not valid JSON: {exc}") from None
+    doc = read_json_file(p, "hardware profile")
     if not isinstance(doc, dict) or doc.get("format") != "paratrain-hardware-profile/1":
         raise UserError(f"{path} is not a paratrain hardware profile (write one with `paratrain plan --calibrate`)")
     try:

@@ -5,10 +5,9 @@ Only the shape is read, as data (json), never code; nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, read_json_file
 from paratrain.models.llama import ModelArgs
 
 LLAMA_TYPES = ("llama", "mistral")
@@ -51,12 +50,7 @@ def args_from_hf_config(doc: dict, path: str = "config.json") -> ModelArgs:
 
 def load_hf_config(path: str | Path) -> ModelArgs:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read --hf-config {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--hf-config {path} is not valid JSON: {exc}") from None
+    doc = read_json_file(p, "--hf-config")
     if not isinstance(doc, dict):
         raise UserError(f"--hf-config {path} must hold a JSON object")
     return args_from_hf_config(doc, str(path))

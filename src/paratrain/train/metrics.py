@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,12 +61,3 @@ class StepLog:
         if self.file:
             self.file.close()
 
-
-class Stopwatch:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.t0 = now - self.t0, now
-        return elapsed
