@@ -3,11 +3,13 @@
     python benchmarks/planner_accuracy.py [--model small] [--seq-len 128] [--global-batch 8] [--micro-batch 2]
                                           [--steps 6] [--nproc 2] [--profile FILE] [--json]
 
-1. `paratrain plan --calibrate` equivalent: microbenchmarks on `nproc` gloo ranks (or --profile FILE).
+1. `paratrain plan --calibrate` equivalent on `nproc` gloo ranks (or --profile FILE): microbenchmarks, then
+   the fit to reference training steps of a model that is none of the presets (plan/fit.py).
 2. The planner predicts step time and peak memory for each strategy at `nproc` ranks.
-3. The real trainer runs every strategy in one process group, one step of each per round, interleaved (so
-   a shared machine's changing load falls on all alike); the step time is the median round's. Peak memory
-   comes from the live-tensor tracker in a separate pass.
+3. The real trainer runs every strategy in one process group, interleaved round by round (so a shared
+   machine's changing load falls on all alike); each visit runs two steps and times the second (a steady-state
+   step, not one that first reloads the caches the previous strategy evicted); the step time is the median
+   round's. Peak memory comes from the live-tensor tracker in a separate pass.
 Prints predicted / measured per strategy and Kendall's tau between the predicted and the measured order.
 """
 

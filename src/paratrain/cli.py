@@ -313,7 +313,9 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
     opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
     if calibrate:
         profile, path = calibrate_and_save(opts)
-        log.info("calibrated: %s; saved %s", "; ".join(profile.notes[:3]) or profile.source, path)
+        log.info("calibrated (%s); saved %s", profile.source, path)
+        for note in profile.notes:
+            log.info("  %s", note)
         opts["hardware"], opts["gpu"] = path, None
         if not (model or hf_config):
             if as_json:

@@ -19,6 +19,12 @@ def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         assert prof.collectives[kind]["busbw_gbs"] > 0
     assert prof.compute_scale > 0 and prof.op_overhead_us["fwd"] > 0
+    # the reference steps were measured and every framework cost fitted (and saved) from them
+    fitted = [n for n in prof.notes if n.startswith("fit: reference step")]
+    assert len(fitted) == 9, prof.notes
+    for cost in ("ddp_us_per_mib", "fsdp_scale", "fsdp_bwd_scale", "dtensor_op", "sp_call", "cp_p2p_call",
+                 "cp_all_to_all_call", "pp_microbatch", "fsdp_gather_us", "fsdp_reduce_scatter_us_per_mib"):
+        assert prof.framework_us[cost] >= 0
     plan = cli("plan", "--model", "tiny", "--hardware", str(profile), "--gpus", "2", "--seq-len", "64",
                "--global-batch", "8", "--dtype", "fp32", "--json", "--top", "3")
     assert plan.returncode == 0, plan.stderr

@@ -20,6 +20,9 @@ from paratrain.plan.hardware import GPUSpec, HardwareProfile, detect
 log = logging.getLogger("paratrain")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# square matmul sizes per device: a GPU reaches its plateau only from a few thousand (a curve that stops at
+# 1024 prices an LLM's large matmuls at a tenth of what an H100 does)
+MATMUL_SIZES = {"cpu": (64, 128, 256, 512, 1024), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
 
 
 def _sync(device: torch.device) -> None:
@@ -161,6 +164,28 @@ def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
     return {"latency_us": a * 1e6, "busbw_gbs": 1.0 / b / 1e9}
 
 
+def _latency_between_compute(fn, device, budget_s: float) -> float:
+    """Seconds one small collective adds to a loop that computes between calls, as training does. Ranks drift
+    apart while they compute, and (on CPU) the backend's threads compete with the compute for cores; a
+    collective-only loop sees neither, so it under-states the per-call cost that training pays."""
+    a = torch.randn(256, 256, device=device)
+
+    def compute():
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def both():
+        compute()
+        fn()
+
+    samples = []
+    for _ in range(3):
+        t_both = _agree_max(_timeit_together(both, device, budget_s), device)
+        t_compute = _agree_max(_timeit_together(compute, device, budget_s), device)
+        samples.append(t_both - t_compute)
+    return max(sorted(samples)[1], 0.0)
+
+
 def bench_collectives(device, sizes, budget_s: float) -> dict[str, dict[str, float]]:
     from paratrain.plan.collectives import WIRE_FACTOR
 
@@ -174,10 +199,16 @@ def bench_collectives(device, sizes, budget_s: float) -> dict[str, dict[str, flo
                 dist.barrier()
                 t = _agree_max(_timeit_together(fn, device, budget_s), device)
                 points.append((payload * WIRE_FACTOR[kind](world), t))
+            small, _ = _collective(kind, 4096, device, world)
+            between = _latency_between_compute(small, device, budget_s)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a backend without this collective
             log.warning("calibrate: %s not measured (%s)", kind, str(exc).splitlines()[0])
             continue
-        out[kind] = {**_fit(points), "points": [[x, y] for x, y in points], "world": world}
+        fit = _fit(points)
+        # the per-call latency is the larger of the fitted intercept and the cost measured between compute
+        fit["latency_us"] = max(fit["latency_us"], between * 1e6)
+        out[kind] = {**fit, "points": [[x, y] for x, y in points], "world": world,
+                     "latency_between_compute_us": between * 1e6}
     return out
 
 
@@ -219,7 +250,8 @@ def _collective_latency(kind: str) -> float:
 
 
 def calibrate_worker(opts: dict) -> dict | None:
-    from paratrain.plan.host_bench import bench_framework, bench_reference
+    from paratrain.plan.fit import measure_references
+    from paratrain.plan.host_bench import bench_framework
     from paratrain.train.runtime import init_runtime, shutdown
 
     rt = init_runtime(opts.get("device", "auto"), float(opts.get("timeout_s", 120)))
@@ -227,10 +259,9 @@ def calibrate_worker(opts: dict) -> dict | None:
     torch.manual_seed(rt.rank)
     try:
         result = {
-            "matmul": bench_matmul(rt.device, opts.get("matmul_sizes", (64, 128, 256, 512, 1024)), budget),
+            "matmul": bench_matmul(rt.device, opts.get("matmul_sizes") or MATMUL_SIZES[rt.device_type], budget),
             "mem_bw_gbs": bench_memory(rt.device, budget),
             "overheads": bench_overheads(rt.device, budget),
-            "reference_step_s": bench_reference(rt.device, budget),
         }
         if rt.world_size > 1:
             dist.barrier()
@@ -239,6 +270,7 @@ def calibrate_worker(opts: dict) -> dict | None:
             _LATENCY.update({k: v["latency_us"] * 1e-6 for k, v in result["collectives"].items()})
             result["overlap"] = bench_overlap(rt.device, budget)
             result["framework"] = bench_framework(rt.device, budget)
+        result["reference_steps"] = measure_references(rt)
         result["device_type"] = rt.device_type
         result["backend"] = rt.backend
         result["world"] = rt.world_size
@@ -282,12 +314,7 @@ def profile_from_measurements(raw: dict, nproc: int) -> HardwareProfile:
                            framework_us={"dtensor_op": 0.0, "fsdp_param": 0.0, "pp_microbatch": 0.0,
                                          **raw.get("framework", {})},
                            source=f"calibrated ({raw['backend']}, {raw['world']} processes)", notes=notes)
-    from paratrain.plan.host_bench import predict_reference
+    from paratrain.plan.fit import fit_profile
 
-    predicted = predict_reference(profile, raw["device_type"])
-    if predicted > 0 and raw.get("reference_step_s"):
-        profile.compute_scale = raw["reference_step_s"] / predicted
-        profile.notes.append(f"reference step: measured {raw['reference_step_s'] * 1e3:.1f} ms vs "
-                             f"{predicted * 1e3:.1f} ms from the op-level figures: compute scaled by "
-                             f"{profile.compute_scale:.2f}")
+    fit_profile(profile, raw.get("reference_steps", {}), raw["world"], raw["device_type"])
     return profile

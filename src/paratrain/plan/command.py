@@ -130,6 +130,8 @@ def calibrate_and_save(o: dict) -> tuple[HardwareProfile, str]:
     from paratrain.plan.calibrate import calibrate
 
     nproc = o.get("nproc") or 2
+    log.info("calibrating on %d process(es): microbenchmarks, then reference training steps under each "
+             "strategy (about two minutes on a 2-core machine)", nproc)
     profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0)
     path = o.get("hardware") or str(default_profile_path())
     profile.save(path)

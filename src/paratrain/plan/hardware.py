@@ -146,6 +146,9 @@ class HardwareProfile:
     latency_us: dict[str, float] = field(default_factory=lambda: dict(GPU_LATENCY_US))
     overlap: float = 0.9  # fraction of overlappable communication that hides under compute
     compute_scale: float = 1.0  # measured / op-level-predicted time of a reference training step (calibration)
+    # on a host-synchronous device (CPU) per-op overhead is scaled on its own (fitted with compute_scale on two
+    # reference sizes); None: the same as compute_scale
+    overhead_scale: float | None = None
     # host-side costs of the frameworks strategies run on: extra per DTensor op (TP), per parameter per FSDP
     # gather / reduce-scatter (hooks, copy-in/out bookkeeping), per pipeline micro-batch per stage
     framework_us: dict[str, float] = field(default_factory=lambda: {"dtensor_op": 0.0, "fsdp_param": 0.0,

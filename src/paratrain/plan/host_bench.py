@@ -1,12 +1,11 @@
-"""Host-side microbenchmarks for `plan --calibrate`: DTensor and FSDP2 overheads beyond their collectives, and a
-small reference network's training step, against which the op-level figures are scaled."""
+"""Host-side microbenchmarks for `plan --calibrate`: DTensor and FSDP2 overheads beyond their collectives."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from paratrain.plan.calibrate import _collective_latency, _timeit, _timeit_together
+from paratrain.plan.calibrate import _agree_max, _collective_latency, _timeit_together
 
 
 class _DTensorOpCounter:
@@ -60,6 +59,9 @@ def bench_framework(device, budget_s: float) -> dict[str, float]:
     comm = 2 * _collective_latency("all_reduce")
     dtensor_op = max(0.0, t_tp - t_local - comm) / max(counter.count, 1)
 
+    result = {"dtensor_op": dtensor_op * 1e6}
+    if device.type == "cpu":
+        result.update(bench_fsdp(device, mesh, budget_s))
     blocks, per_block = 6, 4
     inp = torch.randn(4, 16, device=device)
 
@@ -83,61 +85,55 @@ def bench_framework(device, budget_s: float) -> dict[str, float]:
     latency = sum(_collective_latency(k) for k in ("all_gather", "all_gather", "reduce_scatter"))
     params_per_block = 2 * (per_block // 2)
     fsdp_param = max(0.0, (t_fsdp - base) / blocks - latency) / (3 * params_per_block)
-    return {"dtensor_op": dtensor_op * 1e6, "fsdp_param": fsdp_param * 1e6}
+    return {**result, "fsdp_param": fsdp_param * 1e6}
 
 
-def _reference_model(device, width: int = 512, depth: int = 2):
+def bench_fsdp(device, mesh, budget_s: float, blocks: int = 4, widths: tuple[int, ...] = (128, 384)) -> dict:
+    """FSDP2's whole cost per parameter group on a host-synchronous device (CPU), measured end to end: a stack
+    of `blocks` MLP blocks, each its own fully_shard group, against the same stack unsharded, at two widths.
+    On CPU nothing runs ahead of the host, so a group's gather, copies, waits and bookkeeping add to the step
+    as they are; the planner charges a + b * MiB per group for (1) the forward all-gather, (2) the backward
+    re-gather (ZeRO-3), (3) the gradient reduce-scatter. Returns those six coefficients (microseconds)."""
+    points = [_fsdp_group_times(device, mesh, width, blocks, budget_s) for width in widths]
+    out = {"fsdp_world": float(dist.get_world_size())}
+    for i, name in enumerate(("fsdp_gather", "fsdp_bwd_gather", "fsdp_reduce_scatter"), start=1):
+        (x0, y0), (x1, y1) = (points[0][0], points[0][i]), (points[-1][0], points[-1][i])
+        slope = max((y1 - y0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
+        out[f"{name}_us"] = max(y0 - slope * x0, 0.0)
+        out[f"{name}_us_per_mib"] = slope
+    return out
+
+
+def _fsdp_group_times(device, mesh, width: int, blocks: int, budget_s: float) -> tuple[float, float, float, float]:
+    """(MiB per group, then microseconds per group of: forward gather, backward re-gather, reduce-scatter)."""
     from torch import nn
+    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
-    model = nn.Sequential(*layers)
-    return model if str(device) == "cpu" else model.to(device)
+    def stack():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, 3 * width), nn.Linear(3 * width, width))
+                               for _ in range(blocks)]).to(device)
 
+    x = torch.randn(8, 32, width, device=device)
+    plain, sharded = stack(), stack()
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    group_mib = sum(p.numel() * 4 for p in plain[0].parameters()) / 2**20
 
-def _reference_step(model, opt, x):
-    opt.zero_grad(set_to_none=True)
-    model(x).float().pow(2).mean().backward()
-    opt.step()
+    def timed(fn):
+        return _agree_max(_timeit_together(fn, device, 2 * budget_s), device)
 
+    def fwd_bwd(m):
+        m(x).sum().backward()
 
-def bench_reference(device, budget_s: float) -> float:
-    """Seconds per training step of a small reference network (LayerNorm + GELU MLP, AdamW): the end-to-end
-    check the op-level figures are scaled to (host overheads the microbenchmarks miss: modules, autograd)."""
-    from paratrain.train.optim import build_optimizer
-
-    model = _reference_model(device)
-    opt = build_optimizer(list(model.parameters()), 1e-3, (0.9, 0.95), 0.0, device.type)
-    x = torch.randn(2, 128, 512, device=device)
-    return _timeit(lambda: _reference_step(model, opt, x), device, budget_s * 4)
-
-
-def predict_reference(profile, device_type: str) -> float:
-    """The same reference step, priced by the planner's op-level roofline (profile scale 1)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from paratrain.plan.local_model import CommLog
-    from paratrain.plan.time import op_cost
-    from paratrain.plan.trace import _recorder
-    from paratrain.plan.tracker import LiveTensorTracker
-    from paratrain.train.optim import build_optimizer
-
-    ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
-    state = {"phase": None}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _reference_model("cpu")
-        opt = build_optimizer(list(model.parameters()), 1e-3, (0.9, 0.95), 0.0, device_type)
-        x = torch.randn(2, 128, 512)
-        with LiveTensorTracker(op_hook=_recorder(ops, state, CommLog()), resync=False):
-            _reference_step(model, opt, x)  # creates the optimizer state
-            state["phase"] = "fwd"
-            opt.zero_grad(set_to_none=True)
-            loss = model(x).float().pow(2).mean()
-            state["phase"] = "bwd"
-            loss.backward()
-            state["phase"] = "opt"
-            opt.step()
-    return sum(n * op_cost(profile, "fp32", phase)(k, f, b, d) for phase, items in ops.items()
-               for k, f, b, n, d in items)
+    t_fwd_plain, t_fb_plain = timed(lambda: plain(x)), timed(lambda: fwd_bwd(plain))
+    t_fwd = timed(lambda: sharded(x))
+    t_fb_sync = timed(lambda: fwd_bwd(sharded))
+    sharded.set_requires_gradient_sync(False)
+    t_fb_nosync = timed(lambda: fwd_bwd(sharded))
+    sharded.set_requires_gradient_sync(True)
+    gather = (t_fwd - t_fwd_plain) / blocks
+    bwd_gather = ((t_fb_nosync - t_fwd) - (t_fb_plain - t_fwd_plain)) / blocks
+    reduce_scatter = (t_fb_sync - t_fb_nosync) / blocks
+    return group_mib, max(gather, 0.0) * 1e6, max(bwd_gather, 0.0) * 1e6, max(reduce_scatter, 0.0) * 1e6

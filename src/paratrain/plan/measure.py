@@ -117,46 +117,57 @@ def measure(cfgs: list, nproc: int, steps: int = 3, memory: bool = True, timeout
     return results[0]
 
 
+def interleaved_step_times(trainers: list, rt, rounds: int, warmup: int, per_visit: int = 2) -> list[list[float]]:
+    """Step seconds of several trainers (the slowest rank's, per round), measured in interleaved rounds so a
+    shared machine's changing load falls on every one alike. Each visit runs `per_visit` consecutive steps
+    and times the last: the first ones bring that model back into the caches the previous trainer's step
+    evicted, so the timed step is a steady-state one, as in a real run of one config."""
+    times: list[list[float]] = [[] for _ in trainers]
+    for r in range(warmup + rounds):
+        for i, trainer in enumerate(trainers):
+            for _ in range(max(1, per_visit)):
+                micro = trainer.source.next_step()
+                if rt.world_size > 1:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                trainer.train_step(micro)
+                if rt.device_type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t0
+            if r >= warmup:
+                times[i].append(elapsed)
+    if rt.world_size > 1:  # a step ends when its slowest rank ends
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
+    return times
+
+
 def timing_worker(cfg_dicts: list[dict], opts: dict) -> list[dict] | None:
-    """Step times of several configs measured in interleaved rounds (one step of each config per round), so a
-    shared machine's changing load falls on every config alike. Every config must use the whole world."""
+    """Step times of several configs (interleaved_step_times). Every config must use the whole world."""
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
 
     rt = init_runtime(opts.get("device", "cpu"), float(opts.get("timeout_s", 120)))
-    warmup, rounds = int(opts.get("warmup", 2)), int(opts.get("rounds", 5))
     try:
-        trainers = []
-        for cfg_dict in cfg_dicts:
-            cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False})
-            trainers.append(Trainer(cfg, rt, None, quiet=True))
-        times = [[] for _ in trainers]
-        for r in range(warmup + rounds):
-            for i, trainer in enumerate(trainers):
-                micro = trainer.source.next_step()
-                dist.barrier()
-                t0 = time.perf_counter()
-                trainer.train_step(micro)
-                if rt.device_type == "cuda":
-                    torch.cuda.synchronize()
-                if r >= warmup:
-                    times[i].append(time.perf_counter() - t0)
-        rows = [None] * rt.world_size
-        dist.all_gather_object(rows, times)
+        trainers = [Trainer(TrainConfig(**{**d, "resume": "never", "ckpt_every": 0, "metrics": False}), rt, None,
+                            quiet=True) for d in cfg_dicts]
+        times = interleaved_step_times(trainers, rt, int(opts.get("rounds", 5)), int(opts.get("warmup", 2)),
+                                       int(opts.get("per_visit", 2)))
+        del trainers
     finally:
         shutdown()
     if rt.rank != 0:
         return None
-    # a step ends when its slowest rank ends
-    return [{"strategy": c["strategy"], "step_times": [max(r[i][k] for r in rows) for k in range(rounds)]}
-            for i, c in enumerate(cfg_dicts)]
+    return [{"strategy": c["strategy"], "step_times": t} for c, t in zip(cfg_dicts, times)]
 
 
-def measure_times(cfgs: list, nproc: int, rounds: int = 5, warmup: int = 2, timeout_s: float = 300.0) -> list[dict]:
+def measure_times(cfgs: list, nproc: int, rounds: int = 5, warmup: int = 2, timeout_s: float = 300.0,
+                  per_visit: int = 2) -> list[dict]:
     from paratrain.train.launch import run_workers
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dicts = [c.model_dump() if hasattr(c, "model_dump") else dict(c) for c in cfgs]
-    opts = {"rounds": rounds, "warmup": warmup, "timeout_s": timeout_s}
+    opts = {"rounds": rounds, "warmup": warmup, "timeout_s": timeout_s, "per_visit": per_visit}
     return run_workers(timing_worker, (dicts, opts), nproc, 0, timeout_s)[0]

@@ -12,7 +12,8 @@ Overlap rules (the fraction `overlap` of the profile is how much of an overlappa
   TP / SP    on the critical path: fully exposed
   CP ring    K/V rotation posted before each block's attention: hides under it
   Ulysses    all-to-alls are exposed
-  PP         (m + p - 1) slots of the slowest stage for GPipe/1F1B, interleaving divides the bubble by v,
+  PP         m slots of the slowest stage rank plus a bubble of (p - 1) slots of the other ranks' work for
+             GPipe/1F1B (the textbook (m + p - 1) when stages are equal), interleaving divides the bubble by v,
              zero-bubble leaves about a third of it; activations cross stages by p2p per micro-batch
 """
 
@@ -81,6 +82,7 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str):
 
     dtensor_op = profile.framework_us.get("dtensor_op", 0.0) * 1e-6
     scale = profile.compute_scale
+    overhead_scale = scale if profile.overhead_scale is None else profile.overhead_scale
 
     def cost(kind: str, flops: float, nbytes: float, dtensor: bool = False) -> float:
         host = dtensor_op if dtensor else 0.0  # DTensor's sharding propagation runs on the host per op
@@ -95,9 +97,19 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str):
             work = memory
         if profile.overhead_overlaps:
             return scale * max(work, overhead) + host
-        return scale * (work + overhead) + host
+        return scale * work + overhead_scale * overhead + host
 
     return cost
+
+
+def cost_key(profile: HardwareProfile, dtype: str, phase: str) -> tuple:
+    """Everything op_cost reads, as a key: traces cache their op sums under it (a profile being fitted changes
+    in place, and one object's id may be reused by the next)."""
+    curve = tuple(tuple(map(tuple, profile.matmul_curve.get(d, ()))) for d in sorted(profile.matmul_curve))
+    return (dtype, phase, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
+            profile.overhead_scale,
+            profile.framework_us.get("dtensor_op", 0.0), profile.overhead_overlaps, profile.attention_tflops_fraction,
+            tuple(sorted(profile.dtype_tflops.items())), curve)
 
 
 @dataclass
@@ -106,7 +118,8 @@ class ChunkTime:
     bwd: float
     opt: float
     tp_exposed: float  # per micro-batch, forward + backward
-    cp_comm: float  # per micro-batch ring p2p / Ulysses all-to-all time
+    cp_comm: float  # per micro-batch ring p2p / Ulysses all-to-all transfer time
+    cp_calls: float  # per micro-batch fixed cost of those calls (never hidden)
     tr: Trace
     layers: int
 
@@ -114,23 +127,59 @@ class ChunkTime:
 def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
                dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
-    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), (id(profile), dtype))
+    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), cost_key(profile, dtype, phase))
                      for phase in ("fwd", "bwd", "opt"))
     gpn = profile.gpu.gpus_per_node
-    tp_t = cp_t = 0.0
+    # context parallelism's own cost per call (its Python and waits around each collective; fitted, fit.py)
+    cp_call = {"p2p": profile.framework_us.get("cp_p2p_call", 0.0) * 1e-6,
+               "all_to_all": profile.framework_us.get("cp_all_to_all_call", 0.0) * 1e-6}
+    # sequence parallelism's DTensor redistributions around each all-gather / reduce-scatter (fitted)
+    sp_call = profile.framework_us.get("sp_call", 0.0) * 1e-6
+    tp_t = cp_t = cp_fixed = 0.0
     for phase in ("fwd", "bwd"):
         for kind, payload, group in tr.comm_at(phase, layers):
             n = group_size(layout, group)
             t = collective_time(profile, kind, payload, n, placement(layout, group, gpn))
             est.add_comm(kind, payload, n, microbatches)
             if group == "tp":
-                tp_t += t
+                tp_t += t + (sp_call if kind in ("all_gather", "reduce_scatter") else 0.0)
             else:
                 cp_t += t
-    return ChunkTime(fwd, bwd, opt, tp_t, cp_t, tr, layers)
+                cp_fixed += cp_call.get(kind, 0.0)
+    return ChunkTime(fwd, bwd, opt, tp_t, cp_t, cp_fixed, tr, layers)
 
 
 # -- data-parallel communication -----------------------------------------------------------------------------------
+def fsdp_group_costs(profile: HardwareProfile, n: int, where: str):
+    """(gather, backward re-gather, reduce-scatter) seconds per FSDP group as functions of its bytes, measured
+    end to end by `plan --calibrate` (host_bench.bench_fsdp); None where they do not apply. They are used on a
+    host-synchronous device only (CPU: nothing runs ahead of the host, so FSDP's work adds up as measured) and
+    for the group size and placement they were measured at."""
+    fw = profile.framework_us
+    if profile.overhead_overlaps or "fsdp_gather_us" not in fw or where != "intra":
+        return None
+    # measured at fsdp_world ranks: the per-byte part scales with the ring's (n - 1) / n share on the wire
+    world = fw.get("fsdp_world", n)
+    wire = ((n - 1) / n) / ((world - 1) / world) if world > 1 else 1.0
+
+    def per_group(name: str, scale: float):  # scale: fitted on a reference model (fit.py)
+        return lambda nbytes: scale * (fw[f"{name}_us"] + wire * fw[f"{name}_us_per_mib"] * nbytes / 2**20) * 1e-6
+
+    scale = fw.get("fsdp_scale", 1.0)
+    return (per_group("fsdp_gather", scale), per_group("fsdp_bwd_gather", fw.get("fsdp_bwd_scale", 1.0)),
+            per_group("fsdp_reduce_scatter", scale))
+
+
+def hsdp_all_reduce(profile: HardwareProfile, layout: Layout, shard_bytes: float, est: TimeEstimate) -> float:
+    """HSDP: the reduce-scattered gradient shard is then all-reduced across the replicas (exposed)."""
+    nr = layout.dp_replicate
+    if nr <= 1:
+        return 0.0
+    est.add_comm("all_reduce", shard_bytes, nr)
+    where = placement(layout, "dp_replicate", profile.gpu.gpus_per_node)
+    return collective_time(profile, "all_reduce", shard_bytes, nr, where)
+
+
 def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[ChunkTime], dtype: str,
                        est: TimeEstimate) -> float:
     """Exposed seconds of the data-parallel collectives of one step on one rank."""
@@ -148,12 +197,19 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
                               for c in chunks)  # each block, the embedding and the head are gathered alone
         # one collective per group: the total bytes, and a latency per call
-        ag = collective_time(profile, "all_gather", gathered / groups, n, where) * groups
-        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where)
         gathers = m * (2 if layout.zero_stage == 3 else 1)  # ZeRO-3 gathers again for the backward
         est.add_comm("all_gather", gathered, n, gathers)
-        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where) * groups
         est.add_comm("reduce_scatter", grads, n)
+        measured = fsdp_group_costs(profile, n, where)
+        if measured is not None:
+            gather, bwd_gather, reduce_scatter = measured
+            exposed = m * groups * gather(gathered / groups) + groups * reduce_scatter(grads / groups)
+            if layout.zero_stage == 3:
+                exposed += m * groups * bwd_gather(gathered / groups)
+            return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
+        ag = collective_time(profile, "all_gather", gathered / groups, n, where) * groups
+        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where)
+        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where) * groups
         exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
         if layout.zero_stage == 3:
             exposed += m * max(0.0, ag - overlap * bwd)
@@ -164,12 +220,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         tensors = sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)
         exposed += (gathers + 1) * tensors * profile.framework_us.get("fsdp_param", 0.0) * 1e-6
         exposed += (gathers * 2 * gathered + 2 * grads) / (profile.mem_bw_gbs * 1e9)
-        if layout.dp_replicate > 1:
-            nr = layout.dp_replicate
-            shard = grads / n
-            exposed += collective_time(profile, "all_reduce", shard, nr, placement(layout, "dp_replicate", gpn))
-            est.add_comm("all_reduce", shard, nr)
-        return exposed
+        return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
     if layout.ddp:
         group = "dp_cp"
         n, where = group_size(layout, group), placement(layout, group, gpn)
@@ -177,6 +228,8 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         est.add_comm("all_reduce", grads, n)
         last = collective_time(profile, "all_reduce", min(grads, DDP_BUCKET_BYTES), n, where)
         exposed = last + max(0.0, ar - last - overlap * bwd)
+        # bucket copies and contention with the backward, per MiB of gradients (fitted, fit.py)
+        exposed += profile.framework_us.get("ddp_us_per_mib", 0.0) * 1e-6 * grads / 2**20
         if layout.zero_stage == 1:
             # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step: one call each
             nd, where_d = group_size(layout, "dp"), placement(layout, "dp", gpn)
@@ -206,8 +259,8 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     if layout.pp == 1:
         chunk = chunk_time(profile, args, layout, "whole", args.n_layers, seq_len, dtype, device_type, est, m)
         per_mb = chunk.fwd + chunk.bwd
-        cp_exposed = max(0.0, chunk.cp_comm - profile.overlap * 0.5 * per_mb) if layout.cp_impl == "ring" \
-            else chunk.cp_comm
+        cp_exposed = chunk.cp_calls + (max(0.0, chunk.cp_comm - profile.overlap * 0.5 * per_mb)
+                                       if layout.cp_impl == "ring" else chunk.cp_comm)
         opt = chunk.opt / layout.shard_degree if layout.fsdp else (
             chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
         dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est)
@@ -232,18 +285,27 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
         io = max(io, c.tr.lo.io_bytes)
     p2p = collective_time(profile, "p2p", io, 2, placement(layout, "pp", gpn))
     est.add_comm("p2p", io, 2, 2 * m * layout.virtual_stages)
-    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm for c in cs) + 2 * p2p * len(cs)
-                for r, cs in ranks.items()}
+    # hand-offs are asynchronous: in the steady state a stage pays the transfer, and a call's latency only
+    # where the pipeline waits on it (filling and draining: 2 (p - 1) hand-offs)
+    p2p_latency = collective_time(profile, "p2p", 1, 2, placement(layout, "pp", gpn))
+    transfer = max(p2p - p2p_latency, 0.0)
+    ramp = 2 * (layout.pp - 1) * p2p_latency
+    per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)
+    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls for c in cs)
+                + (2 * transfer + per_mb) * len(cs) for r, cs in ranks.items()}
     slot = max(per_rank.values())
     busy, bubble = pipeline_factor(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     slowest = max(per_rank, key=per_rank.get)
+    # the slowest rank sets the pace; the ramp-up and drain are the other ranks' work on the first and last
+    # micro-batches (equal stages: (p - 1) slots, as the textbook bubble)
+    others = sum(t for r, t in per_rank.items() if r != slowest) / max(layout.pp - 1, 1)
     opt = max(sum(c.opt for c in cs) for cs in ranks.values())
     opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
     dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est)
     compute = sum(c.fwd + c.bwd for c in ranks[slowest])
     est.compute_s = busy * compute + opt
-    est.bubble_s = bubble * slot
-    est.comm_exposed_s = busy * (slot - compute) + dp_exposed
+    est.bubble_s = bubble * others
+    est.comm_exposed_s = busy * (slot - compute) + ramp + dp_exposed
     est.step_s = est.compute_s + est.bubble_s + est.comm_exposed_s
     est.breakdown = {"stage_slot_s": slot, "p2p_s": p2p, "optimizer_s": opt, "dp_comm_exposed_s": dp_exposed,
                      "per_stage_rank_s": {r: round(t, 6) for r, t in per_rank.items()}}

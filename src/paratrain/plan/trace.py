@@ -179,6 +179,8 @@ def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
         small_in = sum(_tensor_bytes(x) for x in leaves_in if _tensor_bytes(x) <= out_bytes)
         return "mem", 0.0, 2.0 * out_bytes + small_in
     nbytes = sum(_tensor_bytes(x) for x in leaves_in) + out_bytes
+    if out is None and name.endswith("_") and args:  # an in-place foreach op also writes its first list back
+        nbytes += sum(_tensor_bytes(x) for x in tree_leaves(args[0]) if isinstance(x, torch.Tensor))
     if name in _MATMUL_NAMES and func._overloadpacket in flop_registry:
         flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         return "mm", float(flops), float(nbytes)
@@ -193,7 +195,10 @@ def _stage_input(key: TraceKey, seq_local: int, dim: int):
     return torch.zeros((key.micro_batch, seq_local, dim), dtype=torch.float32, requires_grad=True)
 
 
-def _recorder(ops: dict, state: dict, log: CommLog):
+def _recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = False):
+    """An op hook that appends (kind, flops, bytes, count, dtensor) per op to ops[state["phase"]].
+    foreach_per_tensor: a `_foreach_*` op runs one kernel per tensor of its list (CPU has no multi-tensor
+    kernels), so it is recorded as that many ops, each with its share of the bytes."""
     from torch.utils._pytree import tree_leaves
 
     def record(func, args, kwargs, out):
@@ -206,7 +211,12 @@ def _recorder(ops: dict, state: dict, log: CommLog):
                 for t in tree_leaves(out):
                     log.tag(t)
         if phase is not None and not log.in_comm:
-            ops[phase].append((*classify_op(func, args, kwargs, out), log.op_weight, dtensor))
+            kind, flops, nbytes = classify_op(func, args, kwargs, out)
+            count = log.op_weight
+            if foreach_per_tensor and func._overloadpacket.__name__.startswith("_foreach") and args:
+                tensors = max(1, sum(isinstance(x, torch.Tensor) for x in tree_leaves(args[0])))
+                flops, nbytes, count = flops / tensors, nbytes / tensors, count * tensors
+            ops[phase].append((kind, flops, nbytes, count, dtensor))
 
     return record
 
@@ -236,7 +246,8 @@ def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layer
             states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             return {"grads": tracker.bytes_of([p.grad for p in params]), "optimizer": tracker.bytes_of(states)}
 
-        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log), resync=False)
+        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log, device_type == "cpu"),
+                                    resync=False)
         with tracker:
             tracker.track(list(model.parameters()) + list(model.buffers()))
             result.params = tracker.current
@@ -278,7 +289,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
         def snapshot() -> dict:
             return {"grads": tracker.bytes_of([p.grad for p in params if p.grad is not None]), "optimizer": 0}
 
-        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log), resync=False)
+        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log, key.device_type == "cpu"),
+                                    resync=False)
         marking = _mark_groups(model, tracker, result)
         with tracker:
             tracker.track(list(model.parameters()) + list(model.buffers()))

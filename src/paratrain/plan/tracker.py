@@ -129,7 +129,8 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not isinstance(out, (torch.Tensor, list, tuple)):  # metadata queries (device, sizes): nothing to count
+        # metadata queries (device, sizes) have nothing to count; in-place foreach ops return None and do work
+        if out is not None and not isinstance(out, (torch.Tensor, list, tuple)):
             return out
         self.ops += 1
         for t in tree_leaves(out):

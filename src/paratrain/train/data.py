@@ -27,9 +27,11 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return (x ^ (x >> np.uint64(31))) & _MASK64
 
 
-def uniform_hash(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
+def uniform_hash(seed: int, index: np.ndarray, stream: int | np.ndarray) -> np.ndarray:
+    """Uniform [0, 1) per (index, stream); `stream` may be an array that broadcasts against `index`."""
     with np.errstate(over="ignore"):
-        key = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed * 1000003 + stream)
+        key = (index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+               + (np.uint64(seed * 1000003) + np.asarray(stream, dtype=np.uint64)))
     return (_mix(_mix(key)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
@@ -76,12 +78,14 @@ class SyntheticMarkov:
 
     def samples(self, indices: np.ndarray) -> np.ndarray:
         """(len(indices), seq_len + 1) tokens."""
-        n = len(indices)
-        out = np.empty((n, self.seq_len + 1), dtype=np.int64)
-        out[:, 0] = (uniform_hash(self.seed, indices, 0) * self.vocab_size).astype(np.int64)
+        # Every random draw at once (stream t for position t); only the chain itself is sequential. This keeps
+        # the loader's Python time (which holds the GIL against the training thread) to ~1 op per position.
+        draws = uniform_hash(self.seed, indices[:, None], np.arange(self.seq_len + 1))
+        branch = np.minimum(np.searchsorted(self.cdf, draws[:, 1:], side="right"), len(self.cdf) - 1)
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        out[:, 0] = (draws[:, 0] * self.vocab_size).astype(np.int64)
         for t in range(1, self.seq_len + 1):
-            branch = np.searchsorted(self.cdf, uniform_hash(self.seed, indices, t), side="right")
-            out[:, t] = self.successors[np.minimum(branch, len(self.cdf) - 1), out[:, t - 1]]
+            out[:, t] = self.successors[branch[:, t - 1], out[:, t - 1]]
         return out
 
 
