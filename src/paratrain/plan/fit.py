@@ -160,16 +160,16 @@ def fit_compute(profile, measured: dict[str, float], world: int, device_type: st
         for name in names[:2]:
             rest = predict(name, 0.0, 0.0)
             rows.append((predict(name, 1.0, 0.0) - rest, predict(name, 0.0, 1.0) - rest, measured[name] - rest))
-        (w0, o0, m0), (w1, o1, m1) = rows
-        det = w0 * o1 - w1 * o0
-        if abs(det) > 1e-12:
-            a, b = (m0 * o1 - m1 * o0) / det, (w0 * m1 - w1 * m0) / det
-            if a > 0 and b > 0:
-                profile.compute_scale, profile.overhead_scale = a, b
-                profile.notes.append(
-                    "fit: reference steps " + ", ".join(f"{n} {measured[n] * 1e3:.1f} ms" for n in names[:2])
-                    + f": op work scaled by {a:.2f}, per-op overhead by {b:.2f}")
-                return
+        import numpy as np
+
+        rows = np.array(rows)
+        a, b = _nonnegative_lstsq(rows[:, :2], rows[:, 2]).tolist()
+        if a > 0 and b > 0:
+            profile.compute_scale, profile.overhead_scale = a, b
+            profile.notes.append(
+                "fit: reference steps " + ", ".join(f"{n} {measured[n] * 1e3:.1f} ms" for n in names[:2])
+                + f": op work scaled by {a:.2f}, per-op overhead by {b:.2f}")
+            return
     name = names[0]
     predicted = predict(name, 1.0, None)
     profile.compute_scale, profile.overhead_scale = (measured[name] / predicted if predicted > 0 else 1.0), None

@@ -102,11 +102,11 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str):
     return cost
 
 
-def cost_key(profile: HardwareProfile, dtype: str, phase: str) -> tuple:
+def cost_key(profile: HardwareProfile, dtype: str) -> tuple:
     """Everything op_cost reads, as a key: traces cache their op sums under it (a profile being fitted changes
     in place, and one object's id may be reused by the next)."""
     curve = tuple(tuple(map(tuple, profile.matmul_curve.get(d, ()))) for d in sorted(profile.matmul_curve))
-    return (dtype, phase, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
+    return (dtype, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
             profile.overhead_scale,
             profile.framework_us.get("dtensor_op", 0.0), profile.overhead_overlaps, profile.attention_tflops_fraction,
             tuple(sorted(profile.dtype_tflops.items())), curve)
@@ -127,8 +127,8 @@ class ChunkTime:
 def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
                dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
-    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), cost_key(profile, dtype, phase))
-                     for phase in ("fwd", "bwd", "opt"))
+    key = cost_key(profile, dtype)  # op_sum caches per (phase, key)
+    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), key) for phase in ("fwd", "bwd", "opt"))
     gpn = profile.gpu.gpus_per_node
     # context parallelism's own cost per call (its Python and waits around each collective; fitted, fit.py)
     cp_call = {"p2p": profile.framework_us.get("cp_p2p_call", 0.0) * 1e-6,
