@@ -30,16 +30,15 @@ def bubble_worker(spec: dict) -> list[dict] | None:
     from paratrain.config import TrainConfig
     from paratrain.models.llama import ModelArgs
     from paratrain.models.presets import build_model
-    from paratrain.parallel.dims import ParallelDims
-    from paratrain.parallel.options import ParallelOptions
-    from paratrain.parallel.pipeline import build_pipeline_step, ideal_bubble
+    from paratrain.parallel.layout import Layout
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.data import Batch
+    from paratrain.train.pipeline_step import build_pipeline_step
     from paratrain.train.runtime import init_runtime, shutdown
 
     torch.set_num_threads(1)
     rt = init_runtime("cpu", 300)
-    dims = ParallelDims(pp=2, world_size=2)
-    dims.build_mesh("cpu")
+    mesh = Layout(pp=2).with_mesh("cpu").mesh
     args = ModelArgs(name="bubble", vocab_size=256, dim=spec["dim"], n_layers=4, n_heads=8, ffn_dim=3 * spec["dim"],
                      max_seq_len=spec["seq_len"])
     gen = torch.Generator().manual_seed(0)
@@ -47,8 +46,8 @@ def bubble_worker(spec: dict) -> list[dict] | None:
     for _, schedule, v, m in CASES:
         cfg = TrainConfig(model="tiny", strategy="pp", global_batch=m * spec["micro_batch"], seq_len=spec["seq_len"],
                           pp_schedule=schedule, microbatches=m, virtual_stages=v)
-        step = build_pipeline_step(build_model(args, "cpu", seed=0), dims, ParallelOptions.from_config(cfg, "cpu"),
-                                   rt.device, cfg)
+        layout = resolve_layout(cfg, 2).replace(mesh=mesh)
+        step = build_pipeline_step(build_model(args, "cpu", seed=0), layout, rt.device, cfg.seq_len)
         tokens = torch.randint(0, args.vocab_size, (m * spec["micro_batch"], spec["seq_len"] + 1), generator=gen)
         runs.append((step, Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), []))
     # round-robin over the cases, so a burst of load from other processes hits every case alike
@@ -63,13 +62,13 @@ def bubble_worker(spec: dict) -> list[dict] | None:
             if i >= spec["warmup"]:
                 samples.append(([r["busy_s"] for r in everyone], max(r["total_s"] for r in everyone)))
     rows = []
-    for (label, _, v, m), (_, _, samples) in zip(CASES, runs):
+    for (label, _, v, m), (step, _, samples) in zip(CASES, runs):
         # a rank that finishes early idles until the slowest one is done (in training: in the next
         # collective), so idle is measured against the step time. The median step resists noise.
         samples.sort(key=lambda s: sum(1 - b / s[1] for b in s[0]))
         busy, step_s = samples[len(samples) // 2]
         idle = [1 - b / step_s for b in busy]
-        rows.append({"schedule": label, "p": dims.pp, "v": v, "m": m, "formula": ideal_bubble(dims.pp, m, v),
+        rows.append({"schedule": label, "p": 2, "v": v, "m": m, "formula": step.layout.ideal_bubble,
                      "idle_per_rank": idle, "idle_mean": sum(idle) / len(idle), "busy_per_rank": busy,
                      "step_s": step_s})
     shutdown()

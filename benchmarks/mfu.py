@@ -163,7 +163,7 @@ def mfu_of(tokens_per_s: float, flops_per_token: float, peak_tflops: float | Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = device_for(args)
-    from paratrain.plan.hardware import catalog_name_for, device_peak_tflops
+    from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = device_peak_tflops(device, "fp32" if args.dtype == "fp32" else "bf16")

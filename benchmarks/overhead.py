@@ -46,10 +46,10 @@ def worker(args: dict) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
     from paratrain.config import TrainConfig
-    from paratrain.models.presets import build_model
+    from paratrain.models.presets import build_model, model_args_for
     from paratrain.train.data import SyntheticMarkov
     from paratrain.train.runtime import init_runtime, shutdown
-    from paratrain.train.trainer import Trainer, model_args_for
+    from paratrain.train.trainer import Trainer
 
     rt = init_runtime("cpu", 120)
     cfg = TrainConfig(model=args["model"], strategy="ddp", nproc=rt.world_size, seq_len=args["seq_len"],

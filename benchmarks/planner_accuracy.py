@@ -4,7 +4,7 @@
                                           [--steps 6] [--nproc 2] [--profile FILE] [--json]
 
 1. `paratrain plan --calibrate` equivalent on `nproc` gloo ranks (or --profile FILE): microbenchmarks, then
-   the fit to reference training steps of a model that is none of the presets (plan/fit.py).
+   the fit to reference training steps of a model that is none of the presets (calibrate/fit.py).
 2. The planner predicts step time and peak memory for each strategy at `nproc` ranks.
 3. The real trainer runs every strategy in one process group, interleaved round by round (so a shared
    machine's changing load falls on all alike); each visit runs two steps and times the second (a steady-state
@@ -62,14 +62,14 @@ def main() -> int:
     opts = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    from paratrain.calibrate.harness import measure, measure_times
+    from paratrain.calibrate.run import calibrate
     from paratrain.config import TrainConfig
-    from paratrain.plan.calibrate import calibrate
+    from paratrain.models.presets import model_args_for
+    from paratrain.parallel.layout import Layout
     from paratrain.plan.hardware import load_profile
-    from paratrain.plan.layout import layout_from_config
-    from paratrain.plan.measure import measure, measure_times
     from paratrain.plan.memory import estimate_memory
     from paratrain.plan.time import estimate_time
-    from paratrain.train.trainer import model_args_for
 
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -93,7 +93,7 @@ def main() -> int:
         if m_res["error"]:
             rows.append({"strategy": cfg.strategy, "error": m_res["error"]})
             continue
-        layout = layout_from_config(cfg, m_res["world"])
+        layout = Layout.from_dict(m_res["layout"])  # exactly what the trainer ran
         args = model_args_for(cfg)
         est = estimate_time(profile, args, layout, cfg.seq_len, cfg.dtype, "cpu")
         mem = estimate_memory(args, layout, cfg.seq_len, cfg.dtype, "cpu")

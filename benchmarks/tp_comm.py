@@ -22,13 +22,15 @@ def measure(sp: bool, n_layers: int, tp_mesh, device) -> dict:
     import torch
 
     from paratrain.models.llama import ModelArgs
+    from paratrain.models.plans import tp_plan_for
     from paratrain.models.presets import build_model
     from paratrain.parallel.comm import count_collectives
     from paratrain.parallel.tensor_parallel import apply_tp
     from paratrain.train.step import clip_grad_norm, lm_loss
 
     args = ModelArgs(name="bench", vocab_size=256, dim=DIM, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=192)
-    model = apply_tp(build_model(args, "cpu", seed=0).to(device), tp_mesh, sp=sp)
+    model = build_model(args, "cpu", seed=0).to(device)
+    model = apply_tp(model, tp_mesh, sp=sp, plan=tp_plan_for(model, tp_mesh.size(), sp=sp))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=gen).to(device)
@@ -44,12 +46,11 @@ def measure(sp: bool, n_layers: int, tp_mesh, device) -> dict:
 def worker() -> dict:
     import torch.distributed as dist
 
-    from paratrain.parallel.dims import ParallelDims
+    from paratrain.parallel.layout import Layout
     from paratrain.train.runtime import init_runtime, shutdown
 
     rt = init_runtime("cpu", 120.0)
-    dims = ParallelDims(tp=rt.world_size, world_size=rt.world_size)
-    dims.build_mesh(rt.device_type)
+    dims = Layout(tp=rt.world_size).with_mesh(rt.device_type)
     out = {}
     for sp in (False, True):
         out[sp] = {n: measure(sp, n, dims.submesh("tp"), rt.device) for n in LAYERS}

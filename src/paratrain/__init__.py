@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "parallelize", "ParallelDims"]
+__all__ = ["__version__", "parallelize", "Layout"]
 
 
 def __getattr__(name: str):
@@ -13,8 +13,8 @@ def __getattr__(name: str):
         from paratrain.parallel.parallelize import parallelize
 
         return parallelize
-    if name == "ParallelDims":
-        from paratrain.parallel.dims import ParallelDims
+    if name == "Layout":
+        from paratrain.parallel.layout import Layout
 
-        return ParallelDims
+        return Layout
     raise AttributeError(name)

@@ -307,7 +307,8 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout")):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
-    from paratrain.plan.command import build_job, calibrate_and_save, format_plan
+    from paratrain.calibrate.run import calibrate_and_save
+    from paratrain.plan.command import build_job, format_plan
 
     opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top")}
     opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
@@ -323,7 +324,7 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
             return
     if gpus is None:
         raise UserError("--gpus N is required")
-    from paratrain.plan.planner import plan_document
+    from paratrain.plan.report import plan_document
 
     job, hw, fixed = build_job(opts)
     doc = plan_document(job, hw, fixed, top=top)

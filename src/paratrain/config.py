@@ -13,9 +13,9 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paratrain.errors import UserError
+from paratrain.parallel.strategies import STRATEGY_TABLE
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "model", "tp", "tp-sp", "pp",
-              "cp-ring", "cp-ulysses", "auto")
+STRATEGIES = (*STRATEGY_TABLE, "auto")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 DEFAULT_CONFIG = "tiny-cpu.toml"
 

@@ -30,7 +30,7 @@ def collect_env() -> dict:
         "mpi": dist.is_mpi_available(),
     }
     if torch.cuda.is_available():
-        from paratrain.plan.hardware import catalog_name_for
+        from paratrain.gpu_catalog import catalog_name_for
 
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         report.update(devices=names, catalog_gpu=catalog_name_for(names[0]),

@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 
 from paratrain.config import load_config
-from paratrain.doctor.analyze import CATEGORIES, breakdown, bubble_fraction
+from paratrain.doctor.analyze import CATEGORIES, breakdown
+from paratrain.doctor.chrome_trace import merge_traces
 from paratrain.doctor.nvml import NvmlSampler, decode_reasons
 from paratrain.doctor.profile_stats import intersect, merge, subtract, total
 from paratrain.doctor.rules import Context, diagnose
 from paratrain.doctor.shapes import misaligned_shapes, misaligned_share
-from paratrain.doctor.trace import merge_traces
 from paratrain.models.presets import get_preset
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.layout import Layout
 
 
 def test_interval_arithmetic():
@@ -42,9 +42,10 @@ def test_shapes_flags_gpt2_vocab_and_odd_hidden_with_padded_sizes():
 
 def capture(rank=0, *, iteration=0.1, data=0.0, fwd=0.03, bwd=0.05, opt=0.02, sync=0.0, busy_fb=0.07,
             busy_opt=0.02, ops_fb=100, ops_opt=20, comm=0.0, threads=1, cores=8, metrics_s=5e-6,
-            flops=1e12, rate=1e10):
+            flops=1e12, rate=1e10, pipeline_idle=None):
     steps = [{"step": i, "step_time_s": iteration, "data_wait_s": data, "iteration_s": iteration,
-              "forward_s": fwd, "backward_s": bwd, "optimizer_s": opt, "loss_sync_s": sync} for i in range(3)]
+              "forward_s": fwd, "backward_s": bwd, "optimizer_s": opt, "loss_sync_s": sync,
+              "pipeline_idle_s": pipeline_idle} for i in range(3)]
     return {"rank": rank, "steps": steps,
             "profile": {"ops_per_step": ops_fb + ops_opt, "ops_forward_backward": ops_fb, "ops_optimizer": ops_opt,
                         "busy_forward_backward_s": busy_fb, "busy_optimizer_s": busy_opt, "comm_exposed_s": comm,
@@ -58,10 +59,10 @@ def capture(rank=0, *, iteration=0.1, data=0.0, fwd=0.03, bwd=0.05, opt=0.02, sy
 def context(captures, budget=None, **cfg_over):
     cfg = load_config(None, {"strategy": "single", "nproc": 1, **cfg_over})
     world = len(captures)
-    dims = ParallelDims(dp_replicate=world, world_size=world)
-    from paratrain.train.trainer import model_args_for
+    layout = Layout(dp_replicate=world, micro_batch=max(1, cfg.global_batch // world))
+    from paratrain.models.presets import model_args_for
 
-    return Context(cfg=cfg, args=model_args_for(cfg), dims=dims, device_type="cpu", analysis=breakdown(captures),
+    return Context(cfg=cfg, args=model_args_for(cfg), layout=layout, device_type="cpu", analysis=breakdown(captures),
                    captures=captures, mem_budget_gib=budget)
 
 
@@ -76,7 +77,11 @@ def test_breakdown_sums_to_one_and_splits_host_from_compute():
     b = breakdown([capture(iteration=0.15, data=0.05, comm=0.02)])
     assert b["seconds"]["data_wait"] == pytest.approx(0.05)
     assert b["seconds"]["communication_exposed"] == pytest.approx(0.02)
-    assert bubble_fraction(4, 4, 1, "1f1b") == pytest.approx(3 / 7)
+    # a pipeline stage's measured idle time is its bubble, taken out of the exposed p2p waits first
+    b = breakdown([capture(comm=0.03, pipeline_idle=0.02)])
+    assert b["seconds"]["bubble"] == pytest.approx(0.02)
+    assert b["seconds"]["communication_exposed"] == pytest.approx(0.01)
+    assert breakdown([capture(comm=0.03)])["seconds"]["bubble"] == 0.0  # no pipeline: no bubble
 
 
 def test_math_ceiling_turns_slow_tiny_ops_into_overhead():
@@ -106,7 +111,7 @@ def test_rules_rank_each_injected_cause_first():
 
 def test_unbalanced_pipeline_stages_are_an_allocation_finding():
     ctx = context([capture(), capture(1)], strategy="pp")
-    ctx.dims = ParallelDims(pp=2, world_size=2)
+    ctx.layout = Layout(pp=2, microbatches=2, micro_batch=8)
     import dataclasses
 
     ctx.args = dataclasses.replace(get_preset("tiny"), n_layers=3)

@@ -41,7 +41,7 @@ def check_layout(rt, overrides: dict) -> dict | None:
 
     from paratrain.bench.verify import Tolerance, build_result, full_tensors, gather_to_rank0, run_steps
     from paratrain.config import TrainConfig
-    from paratrain.parallel.dims import ParallelDims
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.trainer import Trainer
 
     cfg = TrainConfig(**{**BASE, **overrides})
@@ -49,7 +49,7 @@ def check_layout(rt, overrides: dict) -> dict | None:
     if rt.is_main:
         ref_cfg = cfg.model_copy(update={"strategy": "single", "micro_batch": None, "pp": None, "dp_shard": None,
                                          "dp_replicate": None, "tp": None})
-        ref = Trainer(ref_cfg, rt, quiet=True, dims=ParallelDims(world_size=1))
+        ref = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
         reference = (run_steps(ref, cfg.steps), full_tensors(ref.step_runner.model_parts, "grad"),
                      full_tensors(ref.step_runner.model_parts, "param"))
     trainer = Trainer(cfg, rt, quiet=True)
@@ -61,7 +61,7 @@ def check_layout(rt, overrides: dict) -> dict | None:
     dist.all_gather_object(every_loss, losses)
     if not rt.is_main:
         return None
-    result = build_result(cfg, trainer.dims, Tolerance.for_dtype("fp32"), reference, losses, grads, params, {})
+    result = build_result(cfg, trainer.layout, Tolerance.for_dtype("fp32"), reference, losses, grads, params, {})
     return {"passed": result["passed"], "checks": result["checks"], "max_loss_abs_diff": result["max_loss_abs_diff"],
             "max_grad_rel_diff": result["max_grad_rel_diff"], "max_param_abs_diff": result["max_param_abs_diff"],
             "same_loss_on_every_rank": all(x == losses for x in every_loss), "timing": timing,

@@ -18,8 +18,9 @@ import torch
 
 from helpers import cli_env
 from paratrain.errors import UserError
-from paratrain.parallel.context_parallel import check_cp, sequence_sharder
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.checks import check_cp
+from paratrain.parallel.context_parallel import sequence_sharder
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.ring_attention import zigzag_positions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,10 +47,10 @@ def test_sequence_sharder_gives_global_positions():
 
 def test_check_cp_names_heads_and_cp():
     args = SimpleNamespace(n_heads=4)
-    check_cp(args, ParallelDims(cp=4, world_size=4), "ulysses")
-    check_cp(args, ParallelDims(cp=8, world_size=8), "ring")  # ring does not split heads
+    check_cp(args, Layout(cp=4, cp_impl="ulysses"))
+    check_cp(args, Layout(cp=8, cp_impl="ring"))  # ring does not split heads
     with pytest.raises(UserError, match="heads=2 is not divisible by cp=4"):
-        check_cp(args, ParallelDims(cp=4, tp=2, world_size=8), "ulysses")  # 4 heads / tp 2 = 2 local heads
+        check_cp(args, Layout(cp=4, tp=2, cp_impl="ulysses"))  # 4 heads / tp 2 = 2 local heads
 
 
 @pytest.mark.timeout(300)

@@ -17,15 +17,10 @@ import torch
 from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
 from paratrain.models.presets import PRESETS, build_model
-from paratrain.parallel.pipeline import ideal_bubble
-from paratrain.parallel.pipeline_split import (
-    carve_stage,
-    check_pipeline_layout,
-    layer_costs,
-    resolve_microbatches,
-    split_into_stages,
-    stage_ranks,
-)
+from paratrain.parallel.checks import check_layout
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.pipeline_split import carve_stage, layer_costs, split_into_stages, stage_ranks
+from paratrain.parallel.strategies import resolve_layout, resolve_microbatches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,9 +80,20 @@ def test_carved_stages_keep_names_share_parameters_and_chain_to_the_full_model()
 
 # -- layout checks -----------------------------------------------------------------------------------------
 def _layout(**kw):
-    args = {"strategy": "pp", "schedule": "1f1b", "pp": 2, "virtual_stages": 1, "n_layers": 4, "global_batch": 16,
-            "dp": 1, "microbatches": None, "micro_batch": None}
-    return check_pipeline_layout(**{**args, **kw})
+    """Resolve and check a pipeline run the way `train` does; return its micro-batch count."""
+    from types import SimpleNamespace
+
+    o = {"strategy": "pp", "schedule": "1f1b", "pp": 2, "virtual_stages": 1, "n_layers": 4, "global_batch": 16,
+         "dp": 1, "microbatches": None, "micro_batch": None, "cp": 1, "dtype": "fp32", **kw}
+    cfg = SimpleNamespace(strategy=o["strategy"], pp=o["pp"], dp_replicate=o["dp"], dp_shard=None, cp=o["cp"],
+                          tp=None, sp=False, cp_impl="ring", pp_schedule=o["schedule"], microbatches=o["microbatches"],
+                          virtual_stages=o["virtual_stages"], micro_batch=o["micro_batch"],
+                          global_batch=o["global_batch"], ac="none", dtype=o["dtype"], compile=False,
+                          ddp_comm_hook="none", local_sgd_period=0, cpu_offload=False, warmup_steps=0, steps=1)
+    args = SimpleNamespace(n_layers=o["n_layers"], n_heads=4, kv_heads=4, ffn_dim=64, vocab_size=64)
+    layout = resolve_layout(cfg, o["pp"] * o["dp"] * o["cp"])
+    check_layout(layout, args, 64, o["global_batch"])
+    return layout.microbatches
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -115,19 +121,20 @@ def test_bad_layouts_name_the_problem(kw, message):
 
 
 def test_microbatch_count_rules():
-    assert resolve_microbatches("pp", None, None, 16, pp=2) == 2  # default: pp
-    assert resolve_microbatches("pp", 8, None, 16, pp=2) == 8
-    assert resolve_microbatches("pp", None, 4, 16, pp=2) == 4  # by size: 16 / 4
-    assert resolve_microbatches("pp", 4, 4, 16, pp=2) == 4
-    assert resolve_microbatches("model", None, None, 16, pp=2) == 1
+    assert resolve_microbatches(False, None, None, 16, pp=2) == 2  # default: pp
+    assert resolve_microbatches(False, 8, None, 16, pp=2) == 8
+    assert resolve_microbatches(False, None, 4, 16, pp=2) == 4  # by size: 16 / 4
+    assert resolve_microbatches(False, 4, 4, 16, pp=2) == 4
+    assert resolve_microbatches(True, None, None, 16, pp=2) == 1  # naive model parallel: one micro-batch
     assert _layout(schedule="gpipe", pp=4, microbatches=1) == 1  # gpipe runs any m
     assert _layout(schedule="interleaved-1f1b", virtual_stages=2, microbatches=1) == 1
 
 
 def test_ideal_bubble_formula():
-    assert ideal_bubble(2, 1) == pytest.approx(0.5)
-    assert ideal_bubble(2, 8) == pytest.approx(1 / 9)
-    assert ideal_bubble(4, 4, virtual_stages=2) == pytest.approx(3 / 11)
+    assert Layout(pp=2, microbatches=1).ideal_bubble == pytest.approx(0.5)
+    assert Layout(pp=2, microbatches=8).ideal_bubble == pytest.approx(1 / 9)
+    assert Layout(pp=4, microbatches=4, virtual_stages=2).ideal_bubble == pytest.approx(3 / 11)
+    assert Layout(dp_replicate=2, microbatches=8).ideal_bubble == 0.0
 
 
 # -- the CLI rejects bad layouts before starting processes -----------------------------------------------

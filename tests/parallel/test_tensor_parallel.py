@@ -20,8 +20,9 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.plans import llama_tp_plan, tp_plan_for
 from paratrain.models.presets import PRESETS, build_model
-from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.tensor_parallel import check_plan, check_tp_layout, match_modules
+from paratrain.parallel.checks import check_tp_divides, check_tp_with_dp
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.tensor_parallel import check_plan, match_modules
 from paratrain.train.validate import validate_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +45,8 @@ def test_plan_errors_name_the_problem():
     model = build_model(PRESETS["tiny"], "meta")
     with pytest.raises(UserError, match="kv heads"):
         llama_tp_plan(model, tp=4)
+    with pytest.raises(UserError, match="kv heads"):
+        check_tp_divides(model.args, 4)
     with pytest.raises(UserError, match="'layers.*.mlp.up' matches no submodule"):
         check_plan(model, {"layers.*.mlp.up": ColwiseParallel()}, 2)
     with pytest.raises(UserError, match="not a ParallelStyle"):
@@ -54,8 +57,8 @@ def test_plan_errors_name_the_problem():
     with pytest.raises(UserError, match="no built-in tensor-parallel plan for Sequential"):
         tp_plan_for(odd, 2)
     with pytest.raises(UserError, match="tp=2 with dp_replicate=2 would need DDP"):
-        check_tp_layout(ParallelDims(dp_replicate=2, tp=2, world_size=4))
-    check_tp_layout(ParallelDims(dp_shard=2, tp=2, world_size=4))  # 2-D with FSDP is fine
+        check_tp_with_dp(Layout(dp_replicate=2, tp=2))
+    check_tp_with_dp(Layout(dp_shard=2, tp=2))  # 2-D with FSDP is fine
 
 
 # -- parity: a user's own module + plan, built-in plans, loss parallel, bytes --------------------------------

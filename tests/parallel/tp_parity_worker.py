@@ -16,10 +16,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import paratrain
 from paratrain.models.llama import ModelArgs
+from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, get_preset
+from paratrain.models.tp_styles import ReplicateParallel
 from paratrain.parallel.comm import count_collectives
-from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.tensor_parallel import ReplicateParallel, apply_tp
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.tensor_parallel import apply_tp
 from paratrain.train.step import lm_loss
 
 TP = 2
@@ -67,8 +69,8 @@ def max_rel_error(ref: nn.Module, got: nn.Module, kind: str) -> float:
     return worst
 
 
-def check_user_model(dims: ParallelDims) -> dict:
-    """paratrain.parallelize(model, dims, tp_plan=...) on a user module: 3 SGD steps, outputs/grads/params."""
+def check_user_model(dims: Layout) -> dict:
+    """paratrain.parallelize(model, layout, tp_plan=...) on a user module: 3 SGD steps, outputs/grads/params."""
     torch.manual_seed(0)
     ref = UserBlock()
     model = paratrain.parallelize(copy.deepcopy(ref), dims, tp_plan=USER_PLAN)
@@ -96,11 +98,13 @@ def lm_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def check_builtin_plan(dims: ParallelDims, preset: str, sp: bool, use_loss_parallel: bool = False) -> dict:
+def check_builtin_plan(dims: Layout, preset: str, sp: bool, use_loss_parallel: bool = False) -> dict:
     """A paratrain model with its own plan: loss and every gradient of one forward/backward."""
     args = get_preset(preset)
     ref = build_model(args, "cpu", seed=0)
-    model = apply_tp(copy.deepcopy(ref), dims.submesh("tp"), sp=sp, loss_parallel=use_loss_parallel)
+    model = copy.deepcopy(ref)
+    plan = tp_plan_for(model, TP, sp=sp, loss_parallel=use_loss_parallel)
+    model = apply_tp(model, dims.submesh("tp"), sp=sp, plan=plan, loss_parallel=use_loss_parallel)
     inputs, targets = lm_batch(args.vocab_size)
     ref_loss = lm_loss(ref(inputs), targets)
     ref_loss.backward()
@@ -117,12 +121,13 @@ def check_builtin_plan(dims: ParallelDims, preset: str, sp: bool, use_loss_paral
     return {"loss": loss_err, "grad": max_rel_error(ref, model, "grad"), "logits_dtensor": hasattr(logits, "placements")}
 
 
-def check_pipeline_stage(dims: ParallelDims, sp: bool) -> float:
+def check_pipeline_stage(dims: Layout, sp: bool) -> float:
     """A middle pipeline stage (no embedding, no head): whole hidden states in and out, grads of the input."""
     ref = build_model(get_preset("tiny"), "cpu", seed=0)
     ref.tok_embeddings = ref.norm = ref.output = None
     del ref.layers["0"]
-    model = apply_tp(copy.deepcopy(ref), dims.submesh("tp"), sp=sp)
+    model = copy.deepcopy(ref)
+    model = apply_tp(model, dims.submesh("tp"), sp=sp, plan=tp_plan_for(model, TP, sp=sp))
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
     outs, grads = [], []
     for m in (ref, model):
@@ -135,12 +140,13 @@ def check_pipeline_stage(dims: ParallelDims, sp: bool) -> float:
     return max(float(max(err)), max_rel_error(ref, model, "grad"))
 
 
-def per_layer_bytes(dims: ParallelDims, sp: bool) -> dict:
+def per_layer_bytes(dims: Layout, sp: bool) -> dict:
     """Collective payload bytes of one layer's forward+backward (2-layer run minus 1-layer run), by op."""
     counts = []
     for n_layers in (1, 2):
         args = ModelArgs(vocab_size=256, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=192)
-        model = apply_tp(build_model(args, "cpu", seed=0), dims.submesh("tp"), sp=sp)
+        model = build_model(args, "cpu", seed=0)
+        model = apply_tp(model, dims.submesh("tp"), sp=sp, plan=tp_plan_for(model, TP, sp=sp))
         inputs, targets = lm_batch(args.vocab_size)
         with count_collectives() as stats:
             lm_loss(model(inputs), targets).backward()
@@ -150,8 +156,7 @@ def per_layer_bytes(dims: ParallelDims, sp: bool) -> dict:
 
 def main() -> int:
     dist.init_process_group("gloo")
-    dims = ParallelDims(tp=TP, world_size=dist.get_world_size())
-    dims.build_mesh("cpu")
+    dims = Layout(tp=TP).with_mesh("cpu")
     results = {"user_model": check_user_model(dims)}
     for preset, sp, lp in (("tiny", False, True), ("tiny", True, True), ("gpt2-tiny", False, False),
                            ("gpt2-tiny", True, False)):

@@ -9,10 +9,11 @@ from paratrain.plan.auto import resolve_auto_strategy
 from paratrain.plan.hardware import load_profile
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
     profile = tmp_path / "cpu.json"
-    res = cli("plan", "--calibrate", "--hardware", str(profile), "--nproc", "2", "--json", timeout=280)
+    # about 2 minutes on a quiet 2-core machine; 4.5 minutes were seen on one with a third of its CPU stolen
+    res = cli("plan", "--calibrate", "--hardware", str(profile), "--nproc", "2", "--json", timeout=560)
     assert res.returncode == 0, res.stderr
     prof = load_profile(profile)
     assert prof.calibrated and prof.gpu.name == "cpu" and prof.dtype_tflops["fp32"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain import gpu_catalog as cat
 from paratrain.errors import UserError
 from paratrain.plan import hardware as hw
 
@@ -15,29 +16,29 @@ REQUIRED = ("a100-40", "a100-80", "h100-sxm", "h100-pcie", "h200", "a6000", "rtx
 
 def test_catalog_has_every_gpu_with_a_source():
     for name in REQUIRED:
-        spec = hw.get_gpu(name)
+        spec = cat.get_gpu(name)
         assert spec.source, name
         assert spec.mem_gib > 0 and spec.mem_bw_gbs > 0 and spec.intra_node_gbs > 0 and spec.inter_node_gbs > 0
 
 
 @pytest.mark.parametrize("name,tflops", sorted(DENSE_BF16.items()))
 def test_dense_bf16_peaks(name, tflops):
-    assert hw.get_gpu(name).peak("bf16") == tflops
+    assert cat.get_gpu(name).peak("bf16") == tflops
 
 
 def test_cluster_defaults_follow_dgx_shape():
-    assert hw.get_gpu("a100-80").inter_node_gbs == 25 and hw.get_gpu("h100-sxm").inter_node_gbs == 50
-    assert hw.get_gpu("h200").gpus_per_node == 8 and "NIC" in hw.get_gpu("h100-sxm").assumptions
+    assert cat.get_gpu("a100-80").inter_node_gbs == 25 and cat.get_gpu("h100-sxm").inter_node_gbs == 50
+    assert cat.get_gpu("h200").gpus_per_node == 8 and "NIC" in cat.get_gpu("h100-sxm").assumptions
 
 
 def test_unknown_gpu_lists_known_names():
     with pytest.raises(UserError) as err:
-        hw.get_gpu("v100")
+        cat.get_gpu("v100")
     assert all(name in str(err.value) for name in REQUIRED)
 
 
 def test_unknown_dtype_is_an_error_not_a_fallback():
-    spec = hw.custom_gpu(100, 40, 100, 10, dtype="bf16")
+    spec = cat.custom_gpu(100, 40, 100, 10, dtype="bf16")
     assert spec.peak("bf16") == 100
     with pytest.raises(UserError):
         spec.peak("fp32")
@@ -45,11 +46,11 @@ def test_unknown_dtype_is_an_error_not_a_fallback():
 
 def test_custom_hardware_needs_every_figure():
     with pytest.raises(UserError):
-        hw.custom_gpu(100, None, 100, 10, dtype="bf16")
+        cat.custom_gpu(100, None, 100, 10, dtype="bf16")
 
 
 def test_profile_round_trip(tmp_path):
-    prof = hw.profile_from_spec(hw.get_gpu("h100-sxm"))
+    prof = hw.profile_from_spec(cat.get_gpu("h100-sxm"))
     path = prof.save(tmp_path / "p.json")
     back = hw.load_profile(path)
     assert back.gpu == prof.gpu and back.dtype_tflops == prof.dtype_tflops and back.link_gbs == prof.link_gbs
@@ -68,6 +69,6 @@ def test_detect_describes_this_machine():
 
 
 def test_no_peak_for_an_unknown_device():
-    assert hw.device_peak_tflops("cpu", "bf16") is None
-    assert hw.catalog_name_for("NVIDIA H100 80GB HBM3") == "h100-sxm"
-    assert hw.catalog_name_for("Some Future GPU") is None
+    assert cat.device_peak_tflops("cpu", "bf16") is None
+    assert cat.catalog_name_for("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert cat.catalog_name_for("Some Future GPU") is None

@@ -1,6 +1,6 @@
 """Memory truth: the planner's per-rank peak vs the peak measured by the live-tensor tracker on CPU.
 
-Reference: plan/measure.py runs the real Trainer (2 gloo ranks, one process group for every config) under a
+Reference: calibrate/harness.py runs the real Trainer (2 gloo ranks, one process group for every config) under a
 LiveTensorTracker and reports each rank's peak live bytes over a steady-state step. Tolerance: 10% on the
 busiest rank, for two model sizes (tiny, and `small`: 4 layers, d=256, vocab 4096), plus the GPT-2 family.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.calibrate.harness import measure
 from paratrain.config import TrainConfig
-from paratrain.plan.layout import layout_from_config
-from paratrain.plan.measure import measure
+from paratrain.models.presets import model_args_for
+from paratrain.parallel.layout import Layout
 from paratrain.plan.memory import estimate_memory
-from paratrain.train.trainer import model_args_for
 
 STRATEGIES = [("single", {}), ("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("tp", {}), ("tp-sp", {}),
               ("pp", {"pp_schedule": "1f1b", "micro_batch": 1}), ("cp-ring", {}), ("cp-ulysses", {})]
@@ -45,8 +45,7 @@ def test_predicted_peak_memory_within_10_percent(measured):
     rows, misses = [], []
     for cfg, result in measured:
         assert result["error"] is None, f"{cfg.model}/{cfg.strategy}: {result['error']}"
-        world = result["world"]
-        layout = layout_from_config(cfg, world)
+        layout = Layout.from_dict(result["layout"])  # exactly what the trainer ran
         predicted = estimate_memory(model_args_for(cfg), layout, cfg.seq_len, cfg.dtype, "cpu").total
         actual = max(result["peak_bytes"])
         ratio = predicted / actual

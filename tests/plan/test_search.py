@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import get_preset
-from paratrain.plan.collectives import collective_time, placement, wire_bytes
-from paratrain.plan.hardware import get_gpu, profile_from_spec
-from paratrain.plan.layout import Layout, layout_from_config
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.strategies import resolve_layout
+from paratrain.plan.collectives import collective_time, wire_bytes
+from paratrain.plan.hardware import profile_from_spec
 from paratrain.plan.memory import in_flight
 from paratrain.plan.search import Job, base_layouts, structural_problem
 from paratrain.plan.time import pipeline_factor
@@ -27,9 +29,9 @@ def test_ring_formulas():
 
 def test_placement_keeps_inner_dims_in_a_node():
     lay = Layout(dp_shard=4, tp=4)  # 16 GPUs, 8 per node
-    assert placement(lay, "tp", 8) == "intra"
-    assert placement(lay, "dp_shard", 8) == "inter"
-    assert placement(Layout(dp_replicate=2, tp=4), "dp", 8) == "intra"
+    assert lay.placement("tp", 8) == "intra"
+    assert lay.placement("dp_shard", 8) == "inter"
+    assert Layout(dp_replicate=2, tp=4).placement("dp", 8) == "intra"
 
 
 def test_pipeline_bubble_and_in_flight():
@@ -50,7 +52,7 @@ def test_base_layouts_respect_fixed_choices():
 
 def test_structural_checks_use_the_runtime_rules():
     job = Job(args=get_preset("tiny"), model_name="tiny", gpus=8, seq_len=64, global_batch=8)
-    assert "does not divide" in structural_problem(job, Layout(tp=8), 8)  # tiny has 4 heads
+    assert "does not divide" in structural_problem(job, Layout(tp=8, micro_batch=8), 8)  # tiny has 4 heads
     assert structural_problem(job, Layout(dp_shard=8, micro_batch=1, microbatches=1), 8) is None
 
 
@@ -64,10 +66,10 @@ def test_candidates_run_unchanged_through_train_config():
                 Layout(dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch=1, microbatches=2),
                 Layout(dp_replicate=4, zero_stage=1, micro_batch=2, microbatches=1),
                 Layout(cp=2, dp_shard=2, cp_impl="ulysses", zero_stage=3, micro_batch=4, microbatches=1)]:
-        argv = lay.train_args(job.model_name, job.seq_len, job.global_batch, "fp32")
+        argv = ["--model", job.model_name, *lay.train_args(job.seq_len, job.global_batch)]
         opts = {argv[i][2:].replace("-", "_"): argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("--")
                 and not argv[i + 1].startswith("--")}
         opts = {k: (int(v) if v.isdigit() else v) for k, v in opts.items()}
         opts["sp"] = "--sp" in argv
         cfg = resolve_config({**opts, "config": None})
-        assert layout_from_config(cfg, lay.world) == lay, lay.label()
+        assert resolve_layout(cfg, lay.world) == lay, lay.label()

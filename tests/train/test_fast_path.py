@@ -21,7 +21,7 @@ from paratrain.errors import UserError
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.activation_checkpoint import ac_mode_of, apply_ac
 from paratrain.parallel.compile import apply_compile, is_compiled
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import memory_snapshot as ms
 from paratrain.train.data import BatchSource, SyntheticMarkov
 from paratrain.train.optim import build_optimizer
@@ -168,7 +168,7 @@ def test_memory_snapshot_records_then_dumps_once(tmp_path, fake_cuda_memory):
 def one_process_trainer(**overrides) -> Trainer:
     cfg = TrainConfig(model="tiny", strategy="single", nproc=1, device="cpu", steps=2, metrics=False, **overrides)
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    return Trainer(cfg, rt, quiet=True, dims=ParallelDims(world_size=1))
+    return Trainer(cfg, rt, quiet=True, layout=resolve_layout(cfg, 1))
 
 
 def test_oom_dumps_a_snapshot_and_names_the_planner(tmp_path, fake_cuda_memory, monkeypatch):

@@ -40,12 +40,13 @@ def bench_config(base, strategy: str, world: int, steps: int, warmup: int, scali
     if strategy == "single" and world != 1:
         raise UserError(f"strategy 'single' runs on one device; drop it or use --nproc 1 (got {world})")
     if scaling == "weak":
-        from paratrain.train.trainer import dims_for
+        from paratrain.parallel.layout import DIM_NAMES
+        from paratrain.parallel.strategies import resolve_degrees
 
-        dp = dims_for(cfg, world).dp
+        degrees = resolve_degrees(cfg.strategy, world, {n: getattr(cfg, n) for n in DIM_NAMES})
+        dp = degrees["dp_replicate"] * degrees["dp_shard"]
         cfg = cfg.model_copy(update={"global_batch": per_device * dp, "micro_batch": None})
-    dims = validate_run(cfg, world)
-    return cfg, dims
+    return cfg, validate_run(cfg, world)
 
 
 def threads_per_rank(world: int) -> int:
@@ -166,7 +167,7 @@ def bench_worker(cfg_dict: dict, warmup: int, steps: int, threads: int) -> dict 
                  "baseline_gib": rss.baseline if rss is not None and rss.baseline else 0.0, "rows": rows,
                  "states": model_state_bytes(trainer.step_runner.model_parts, trainer.optimizers)}
         everyone = gather_to_rank0(local)
-        result = {"ranks": everyone, "comm": comm, "dims": trainer.dims.degrees(),
+        result = {"ranks": everyone, "comm": comm, "layout": trainer.layout.to_dict(),
                   "tokens_per_step": trainer.tokens_per_step, "flops_per_step": trainer.flops_per_step,
                   "peak_tflops": trainer.peak_tflops}
     except UserError as exc:
@@ -204,7 +205,9 @@ def summarize_cell(strategy: str, world: int, cfg, raw: dict, predicted: dict | 
             "peak_mem_above_baseline_gib": max(r["memory_gib"] - r["baseline_gib"] for r in ranks),
             "comm_wire_bytes_per_step": comm.get("total_wire_bytes"),
             "comm_bytes_by_op": comm.get("bytes_by_op"),
-            "global_batch": cfg.global_batch, "seq_len": cfg.seq_len, "dims": raw["dims"], "mfu": mfu,
+            "global_batch": cfg.global_batch, "seq_len": cfg.seq_len, "mfu": mfu,
+            "dims": {k: raw["layout"][k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")},
+            "layout": raw["layout"], "predicted_layout": (predicted or {}).get("layout_fields"),
             "model_state_gib": {k: states[k] / 2**30 for k in ("params", "grads", "optimizer")},
             "phases_s": phases}
 
@@ -220,7 +223,9 @@ def add_efficiency(runs: list[dict]) -> None:
 
 
 def run_bench(base, strategies: list[str], worlds: list[int], steps: int, warmup: int, scaling: str) -> dict:
-    from paratrain.bench.predict import predict_layout
+    from paratrain.models.presets import model_args_for
+    from paratrain.parallel.layout import Layout
+    from paratrain.plan.predict import predict_layout
     from paratrain.train.runtime import in_launched_process
 
     if in_launched_process():
@@ -233,13 +238,14 @@ def run_bench(base, strategies: list[str], worlds: list[int], steps: int, warmup
     cells = [(s, n, *bench_config(base, s, n, steps, warmup, scaling, per_device))
              for s in strategies for n in sorted(set(worlds))]
     runs, predictions = [], []
-    for strategy, world, cfg, _dims in cells:
+    for strategy, world, cfg, _layout in cells:
         log.info("bench: %s on %d process(es), global batch %d, %d warm-up + %d measured steps", strategy, world,
                  cfg.global_batch, warmup, steps)
         raw = run_cell(cfg, world, warmup, steps)
         if raw is None:
             raise CheckFailed(f"bench {strategy} x {world}: rank 0 returned nothing")
-        predicted = predict_layout(cfg, world)
+        # predict for exactly the layout the workers ran
+        predicted = predict_layout(Layout.from_dict(raw["layout"]), model_args_for(cfg), cfg.seq_len, cfg.device)
         predictions.append(predicted)
         runs.append(summarize_cell(strategy, world, cfg, raw, predicted))
     add_efficiency(runs)

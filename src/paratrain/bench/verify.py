@@ -128,7 +128,7 @@ def verify_in_group(cfg, rt, tol: Tolerance) -> dict | None:
     """One verify run inside an already joined process group; rank 0 returns the report, others None.
 
     Tests call it several times in one group (one launch for many strategies)."""
-    from paratrain.parallel.dims import ParallelDims
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.trainer import Trainer
 
     reference = None
@@ -137,7 +137,7 @@ def verify_in_group(cfg, rt, tol: Tolerance) -> dict | None:
                                          "dp_shard": None, "tp": None, "pp": None, "cp": None,
                                          "ac": "none", "compile": False, "cpu_offload": False,
                                          "ddp_comm_hook": "none", "local_sgd_period": 0})
-        ref = Trainer(ref_cfg, rt, quiet=True, dims=ParallelDims(world_size=1))
+        ref = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
         ref_losses = run_steps(ref, cfg.steps)
         reference = (ref_losses, full_tensors(ref.step_runner.model_parts, "grad"),
                      full_tensors(ref.step_runner.model_parts, "param"))
@@ -149,10 +149,10 @@ def verify_in_group(cfg, rt, tol: Tolerance) -> dict | None:
     extra = getattr(trainer, "verify_extras", lambda: {})()
     if not rt.is_main:
         return None
-    return build_result(cfg, trainer.dims, tol, reference, losses, grads, params, extra)
+    return build_result(cfg, trainer.layout, tol, reference, losses, grads, params, extra)
 
 
-def build_result(cfg, dims, tol: Tolerance, reference, losses, grads, params, extra: dict) -> dict:
+def build_result(cfg, layout, tol: Tolerance, reference, losses, grads, params, extra: dict) -> dict:
     ref_losses, ref_grads, ref_params = reference
     per_step, loss_ok, max_loss = [], True, 0.0
     for i, (lr_, l_) in enumerate(zip(ref_losses, losses), start=1):
@@ -163,7 +163,7 @@ def build_result(cfg, dims, tol: Tolerance, reference, losses, grads, params, ex
     _, grad_rel, _, grad_missing = compare_tensors(ref_grads, grads, float("inf"), 0.0)
     param_abs, _, param_ok, param_missing = compare_tensors(ref_params, params, tol.param_atol, tol.param_rtol)
     grad_ok = not grad_missing and grad_rel <= tol.grad_rtol
-    return {"strategy": cfg.strategy, "dims": dims.degrees(), "world_size": dims.world_size, "steps": cfg.steps,
+    return {"strategy": cfg.strategy, "dims": layout.degrees(), "world_size": layout.world, "steps": cfg.steps,
             "dtype": cfg.dtype, "model": cfg.model, "tolerance": asdict(tol),
             "max_loss_abs_diff": max_loss, "max_grad_rel_diff": grad_rel, "max_param_abs_diff": param_abs,
             "passed": bool(loss_ok and grad_ok and param_ok),

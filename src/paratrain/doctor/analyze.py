@@ -6,8 +6,9 @@ Per rank and per measured step (seconds), with P = forward + backward + optimize
     host_overhead          CPU: time between ops on the training thread (Python, framework) plus ops per
                            step x the fixed cost inside one op, measured on a tiny autograd program
                            (dispatch, allocation, autograd bookkeeping); GPU: time no kernel ran
-    bubble                 pipeline idle time, (pp-1)/(m*v+pp-1) of the pipelined phases, taken out of
-                           the exposed p2p waits (then out of idle time), where a stage sits in its bubble
+    bubble                 pipeline idle time as the pipeline step measured it (schedule wall time minus the
+                           stage's own forward/backward/loss work), taken out of the exposed p2p waits (then
+                           out of host time), where a stage sits in its bubble
     compute                CPU: time inside ops beyond their fixed cost; for forward+backward at most 10x
                            the time the step's FLOPs take at this device's measured matmul rate (the
                            optimizer is memory-bound, so it has no such ceiling); GPU: compute kernels ran
@@ -43,15 +44,7 @@ def op_costs(calibration: dict) -> tuple[float | None, float]:
     return inside, max(0.0, profiled - calibration["tiny_program_s"] / ops)
 
 
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int, schedule: str) -> float:
-    if pp <= 1:
-        return 0.0
-    if schedule == "zero-bubble":
-        return 0.0
-    return (pp - 1) / (microbatches * max(1, virtual_stages) + pp - 1)
-
-
-def rank_breakdown(capture: dict, bubble: float = 0.0) -> dict:
+def rank_breakdown(capture: dict) -> dict:
     """Seconds per step in each category for one rank, plus the evidence numbers behind them."""
     steps = capture["steps"]
     prof = capture.get("profile") or {}
@@ -83,8 +76,8 @@ def rank_breakdown(capture: dict, bubble: float = 0.0) -> dict:
         compute = min(work, fb + tail)
     host = work - compute
     # a pipeline stage idles in its bubble waiting on a p2p receive (exposed communication) or, on GPU,
-    # with no kernel to run (idle): move the schedule's bubble out of those
-    expected = bubble * (phases - profiler_cost)
+    # with no kernel to run (idle): move the measured idle time out of those
+    expected = min(_mean(steps, "pipeline_idle_s"), phases - profiler_cost)
     from_comm = min(comm, expected)
     from_host = min(host, expected - from_comm)
     comm, host, bubble_s = comm - from_comm, host - from_host, from_comm + from_host
@@ -97,9 +90,9 @@ def rank_breakdown(capture: dict, bubble: float = 0.0) -> dict:
             "ops_per_step": ops, "op_cost_s": op_s, "comm_in_flight_s": prof.get("comm_in_flight_s", 0.0)}
 
 
-def breakdown(captures: list[dict], bubble: float = 0.0) -> dict:
+def breakdown(captures: list[dict]) -> dict:
     """{"fractions": {category: fraction}, "seconds": {...}, "step_time_s", "per_rank": [...]} over all ranks."""
-    per_rank = [rank_breakdown(c, bubble) for c in captures]
+    per_rank = [rank_breakdown(c) for c in captures]
     seconds = {k: statistics.fmean(r["seconds"][k] for r in per_rank) for k in CATEGORIES}
     step = sum(seconds.values())
     fractions = {k: (v / step if step > 0 else 0.0) for k, v in seconds.items()}

@@ -69,8 +69,11 @@ class CaptureSession:
         now = time.perf_counter()
         step = record["step"]
         if self.warmup < step <= self.warmup + self.steps:
+            # a pipeline stage's idle time inside the schedule, as PipelineStep measured it (None without pp)
+            timing = getattr(trainer.step_runner, "last_timing", None) or {}
             self.records.append({"step": step, "step_time_s": record["step_time_s"],
                                  "data_wait_s": record["data_wait_s"], "iteration_s": now - self._last_end,
+                                 "pipeline_idle_s": timing.get("idle_s"),
                                  **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES}})
         if step == 1:
             self._stop_counting()
@@ -145,8 +148,8 @@ class CaptureSession:
             "steps": self.records,
             "profile": prof,
             "calibration": self.calibration,
-            "flops_per_step": t.flops_per_step / t.dims.world_size,
-            "tokens_per_step": t.tokens_per_step / max(1, t.dims.dp),
+            "flops_per_step": t.flops_per_step / t.layout.world,
+            "tokens_per_step": t.tokens_per_step / max(1, t.layout.dp),
             "memory_gib": t.memory_gib(),
             "model_state_bytes": _model_states(t),
             "threads": torch.get_num_threads(),

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from paratrain.doctor.analyze import CATEGORIES, breakdown, bubble_fraction
+from paratrain.doctor.analyze import CATEGORIES, breakdown
 from paratrain.doctor.rules import Context, diagnose
 
 
-def build_report(cfg, args, dims, device_type: str, result: dict, mem_budget_gib: float | None,
+def build_report(cfg, args, layout, device_type: str, result: dict, mem_budget_gib: float | None,
                  predicted: dict | None, trace: str | None) -> dict:
-    pp_micro = cfg.microbatches or dims.pp
-    bubble = bubble_fraction(dims.pp, pp_micro, cfg.virtual_stages, cfg.pp_schedule)
-    analysis = breakdown(result["ranks"], bubble)
-    ctx = Context(cfg=cfg, args=args, dims=dims, device_type=device_type, analysis=analysis,
+    """`layout`: the Layout the workers ran (from their fit summary), which `predicted` was made for."""
+    analysis = breakdown(result["ranks"])
+    ctx = Context(cfg=cfg, args=args, layout=layout, device_type=device_type, analysis=analysis,
                   captures=result["ranks"], mem_budget_gib=mem_budget_gib,
                   predicted_mem_gib=(predicted or {}).get("mem_gib"))
     findings = diagnose(ctx)
@@ -23,7 +22,8 @@ def build_report(cfg, args, dims, device_type: str, result: dict, mem_budget_gib
         "step_time_s": analysis["step_time_s"],
         "seconds": analysis["seconds"],
         "per_rank": analysis["per_rank"],
-        "run": {"strategy": cfg.strategy, "world_size": dims.world_size, "dims": dims.degrees(),
+        "run": {"strategy": cfg.strategy, "world_size": layout.world, "dims": layout.degrees(),
+                "layout": layout.to_dict(),
                 "model": args.name, "device": device_type, "measured_steps": len(result["ranks"][0]["steps"]),
                 "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
                 "metrics": cfg.metrics},

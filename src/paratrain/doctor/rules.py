@@ -35,7 +35,7 @@ class Finding:
 class Context:
     cfg: object  # TrainConfig
     args: object  # ModelArgs
-    dims: object  # ParallelDims
+    layout: object  # the parallel Layout that ran
     device_type: str
     analysis: dict  # analyze.breakdown()
     captures: list[dict]
@@ -75,7 +75,7 @@ def check_small_compute(ctx: Context) -> Finding | None:
     rank0 = ctx.analysis["per_rank"][0]
     rate = cap["calibration"].get("matmul_flops_per_s") or 0.0
     math_ms = cap["flops_per_step"] / rate * 1e3 if rate else float("nan")
-    micro = ctx.cfg.micro_batch or max(1, ctx.cfg.global_batch // ctx.dims.dp)
+    micro = ctx.layout.micro_batch
     tokens = micro * ctx.cfg.seq_len
     if ctx.device_type == "cuda":
         how = f"the GPU sat idle between kernels {share:.0%} of the step"
@@ -119,7 +119,7 @@ def check_data_loading(ctx: Context) -> Finding | None:
 
 # -- 3. shapes ---------------------------------------------------------------------------------------------------
 def check_shapes(ctx: Context) -> Finding | None:
-    issues = misaligned_shapes(ctx.args, ctx.dims.tp)
+    issues = misaligned_shapes(ctx.args, ctx.layout.tp)
     if not issues:
         return None
     share = misaligned_share(issues)
@@ -147,7 +147,7 @@ def memory_budget_gib(ctx: Context) -> float | None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         return None
-    return ram / max(1, ctx.dims.world_size)
+    return ram / max(1, ctx.layout.world)
 
 
 def check_memory(ctx: Context) -> Finding | None:
@@ -170,9 +170,9 @@ def check_memory(ctx: Context) -> Finding | None:
                 f"(> 90% leaves no headroom for fragmentation or longer batches)")
     if parts:
         evidence += f"; model states on rank 0 (GiB): {parts}"
-    micro = ctx.cfg.micro_batch or max(1, ctx.cfg.global_batch // ctx.dims.dp)
+    micro = ctx.layout.micro_batch
     fixes = []
-    if ctx.cfg.strategy not in ("zero3", "fsdp", "hsdp"):
+    if not (ctx.layout.fsdp and ctx.layout.zero_stage == 3):
         fixes.append("--strategy zero3 (shards params, grads and optimizer state over the data-parallel ranks)")
     if ctx.cfg.ac != "full":
         fixes.append("--ac full (keeps one activation per block, recomputes the rest in backward)")
@@ -200,18 +200,18 @@ def check_communication(ctx: Context) -> Finding | None:
         evidence += f"; {nbytes / 2**20:.1f} MiB per rank per step ({by_op})"
         if exposed > 0:
             evidence += f", {nbytes / exposed / 1e9:.2f} GB/s over the exposed time"
-    strategy = ctx.cfg.strategy
-    micro = ctx.cfg.micro_batch or max(1, ctx.cfg.global_batch // ctx.dims.dp)
+    layout = ctx.layout
+    micro = layout.micro_batch
     accumulate = (f"accumulate: keep --micro-batch {micro} and raise --global-batch to "
                   f"{ctx.cfg.global_batch * 4} (one gradient sync per 4 micro-batches)")
-    if strategy in ("ddp", "zero1", "single"):
+    if not layout.fsdp and layout.tp == 1 and layout.pp == 1 and layout.cp == 1:
         fix = (f"--ddp-comm-hook bf16 (halves all-reduce bytes); {accumulate}; --strategy zero2 (reduce-scatter, "
                f"overlaps with backward); bigger DDP buckets (bucket_cap_mb) if many small all-reduces; "
                f"--local-sgd-period 8 to average every 8 steps")
-    elif strategy in ("zero2", "zero3", "fsdp", "hsdp"):
-        fix = (f"{'--strategy zero2 (no parameter re-gather in backward); ' if strategy != 'zero2' else ''}"
+    elif layout.fsdp:
+        fix = (f"{'--strategy zero2 (no parameter re-gather in backward); ' if layout.zero_stage != 2 else ''}"
                f"{accumulate}; across nodes use hsdp (--dp-replicate nodes) so shards stay on fast links")
-    elif strategy in ("tp", "tp-sp"):
+    elif layout.tp > 1:
         fix = "keep --tp within one node (fast links); use --sp; give the rest of the devices to --dp-shard"
     else:
         fix = f"{accumulate}; fewer ranks per collective (lower the degree of the communicating dimension)"
@@ -223,7 +223,7 @@ def check_communication(ctx: Context) -> Finding | None:
 def check_allocation(ctx: Context) -> Finding | None:
     candidates: list[Finding] = []
     cap = ctx.captures[0]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or ctx.dims.world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or ctx.layout.world)
     threads, cores = cap["threads"], cap["cores"]
     if ctx.device_type == "cpu" and threads * local > cores:
         lost = 1.0 - cores / (threads * local)
@@ -236,8 +236,8 @@ def check_allocation(ctx: Context) -> Finding | None:
             f"run with OMP_NUM_THREADS={max(1, cores // local)} (cores / ranks; paratrain only sets it when unset), "
             f"or fewer processes (--nproc {max(1, cores // max(1, threads))})",
             {"threads_per_rank": threads, "ranks": local, "cores": cores}))
-    if ctx.dims.pp > 1:
-        stages = ctx.dims.pp * max(1, ctx.cfg.virtual_stages)
+    if ctx.layout.pp > 1:
+        stages = ctx.layout.pp * ctx.layout.virtual_stages
         layers = ctx.args.n_layers
         per = [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
         imbalance = max(per) / (layers / stages) - 1
@@ -252,7 +252,7 @@ def check_allocation(ctx: Context) -> Finding | None:
         if ctx.fractions["bubble"] >= 0.1:
             candidates.append(Finding(
                 "allocation", by_threshold(ctx.fractions["bubble"], 0.3, 0.1) or "low", ctx.fractions["bubble"],
-                f"pipeline bubble {ctx.fractions['bubble']:.0%} of the step ({ctx.cfg.pp_schedule}, pp={ctx.dims.pp})",
+                f"pipeline bubble {ctx.fractions['bubble']:.0%} of the step ({ctx.layout.pp_schedule}, pp={ctx.layout.pp})",
                 "raise --microbatches (>= 4 x pp) or use --pp-schedule interleaved-1f1b with --virtual-stages 2",
                 {"bubble_fraction": ctx.fractions["bubble"]}))
     computes = [r["seconds"]["compute"] for r in ctx.analysis["per_rank"]]

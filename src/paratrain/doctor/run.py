@@ -14,13 +14,14 @@ log = logging.getLogger("paratrain")
 
 def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: float | None) -> dict | None:
     """The doctor report (see report.build_report); None on a non-zero rank under torchrun/srun."""
-    from paratrain.bench.predict import predict_layout
     from paratrain.doctor.capture import doctor_worker
+    from paratrain.doctor.chrome_trace import merge_traces
     from paratrain.doctor.report import build_report
-    from paratrain.doctor.trace import merge_traces
+    from paratrain.models.presets import model_args_for
+    from paratrain.parallel.layout import Layout
+    from paratrain.plan.predict import predict_layout
     from paratrain.train.launch import run_workers
     from paratrain.train.runtime import pick_device_type
-    from paratrain.train.trainer import model_args_for
     from paratrain.train.validate import validate_run, world_size_for
 
     if steps < 1:
@@ -31,7 +32,7 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
         raise UserError("--mem-budget-gib must be positive")
     cfg = cfg.model_copy(update={"steps": warmup + steps, "resume": "never", "ckpt_every": 0})
     world = world_size_for(cfg)
-    dims = validate_run(cfg, world)
+    validate_run(cfg, world)
     args = model_args_for(cfg)
     device_type = pick_device_type(cfg.device)
     temp = cfg.out is None
@@ -55,8 +56,10 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
             waits = [(r["rank"], r["trace_file"], [s["data_wait_s"] for s in r["steps"]]) for r in result["ranks"]
                      if r.get("trace_file")]
             trace_out = str(merge_traces(waits, trace))
-        predicted = predict_layout(cfg, world)
-        return build_report(cfg, args, dims, device_type, result, mem_budget_gib, predicted, trace_out)
+        # predict for exactly the layout the workers ran
+        layout = Layout.from_dict(result["summary"]["layout"])
+        predicted = predict_layout(layout, args, cfg.seq_len, cfg.device)
+        return build_report(cfg, args, layout, device_type, result, mem_budget_gib, predicted, trace_out)
     finally:
         if temp:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.errors import UserError
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -37,6 +39,13 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def check_tp_divides(self, tp: int) -> None:
+        """Tensor parallelism splits heads, kv heads, the ffn and the vocab tp ways: each must divide evenly."""
+        for label, size in (("attention heads", self.n_heads), ("kv heads", self.kv_heads),
+                            ("ffn size", self.ffn_dim), ("vocab size", self.vocab_size)):
+            if size % tp:
+                raise UserError(f"tp={tp} does not divide the model's {label} ({size})")
 
     def to_dict(self) -> dict:
         return asdict(self)

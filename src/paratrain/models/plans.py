@@ -19,8 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from paratrain.errors import UserError
 from paratrain.models.llama import Transformer
-from paratrain.parallel.dims import check_tp_divides
-from paratrain.parallel.tensor_parallel import ReplicateParallel
+from paratrain.models.tp_styles import ReplicateParallel
 
 
 def block_plan(sp: bool, attention_extra_args: int = 2, gated_mlp: bool = True) -> dict:
@@ -81,7 +80,7 @@ def stage_edge_plan(model: nn.Module, sp: bool, block_extra_args: int) -> dict:
 
 def llama_tp_plan(model: Transformer, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
     """The whole Llama model's plan, keyed by paths parallelize_module understands ("layers.*.attention.wq")."""
-    check_tp_divides(model.args, tp)
+    model.args.check_tp_divides(tp)
     plan = {f"layers.*.{path}": style for path, style in block_plan(sp).items()}
     plan.update(stage_edge_plan(model, sp, block_extra_args=2))
     if model.tok_embeddings is not None:
@@ -95,7 +94,7 @@ def llama_tp_plan(model: Transformer, tp: int, sp: bool = False, loss_parallel: 
 
 def gpt2_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
     """GPT-2: as Llama, but an ungated MLP, no RoPE arguments, and learned positions beside the token table."""
-    check_tp_divides(model.args, tp)
+    model.args.check_tp_divides(tp)
     if model.args.tie_embeddings:
         raise UserError("tensor parallel does not support tied embeddings (tie_embeddings) yet")
     plan = {f"layers.*.{path}": style for path, style in block_plan(sp, 0, gated_mlp=False).items()}

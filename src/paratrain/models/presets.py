@@ -43,6 +43,22 @@ def get_preset(name: str) -> ModelArgs:
     return PRESETS[name]
 
 
+def model_args_for(cfg) -> ModelArgs:
+    """The preset a run config names, with the shape overrides it gives (vocab_size, dim, n_layers, ffn_dim)
+    and room for its sequence length."""
+    import dataclasses
+
+    args = get_preset(cfg.model)
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
+    if shape:
+        args = dataclasses.replace(args, name=f"{args.name}-custom", **shape)
+        if args.dim % args.n_heads or args.head_dim % 2:
+            raise UserError(f"dim {args.dim} must split into {args.n_heads} heads of an even size (RoPE)")
+    if cfg.seq_len > args.max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=cfg.seq_len)
+    return args
+
+
 def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
     """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning)."""
     with torch.device(device):

@@ -1,6 +1,6 @@
 # Context parallelism: shard every sequence across the cp ranks and swap the model's attention for a
 # distributed one (ring or Ulysses). Data side (sequence_sharder) and model side (apply_cp) share one layout.
-"""Context parallel entry points: sequence_sharder(dims) for the trainer, apply_cp() for parallelize().
+"""Context parallel entry points: sequence_sharder(layout) for the trainer, apply_cp() for parallelize().
 
 Layout (load-balanced for the causal mask): the sequence is cut into 2*cp chunks and cp rank r holds chunks
 r and 2*cp-1-r, so every rank owns as many early (cheap) as late (expensive) queries. RoPE gets the global
@@ -18,35 +18,25 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
-from paratrain.parallel.ulysses import check_ulysses_heads, ulysses_attention
+from paratrain.parallel.ulysses import ulysses_attention
 
 log = logging.getLogger("paratrain")
 
 CP_IMPLS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
-def sequence_sharder(dims):
+def sequence_sharder(layout):
     """prepare(inputs, targets) -> (local inputs, local targets, {"positions": global positions (seq_local,)})
 
     for this rank's two chunks of the load-balanced layout.
     """
-    cp, rank = dims.cp, dims.submesh("cp").get_local_rank()
+    cp, rank = layout.cp, layout.submesh("cp").get_local_rank()
 
     def prepare(inputs, targets):
         positions = zigzag_positions(inputs.shape[1], cp, rank, inputs.device)
         return inputs.index_select(1, positions), targets.index_select(1, positions), {"positions": positions}
 
     return prepare
-
-
-def check_cp(args, dims, impl: str) -> None:
-    """Raise UserError before any process starts when the model cannot be context-parallel as asked."""
-    if dims.cp <= 1:
-        return
-    if impl not in CP_IMPLS:
-        raise UserError(f"unknown --cp-impl {impl!r}; choose one of {', '.join(CP_IMPLS)}")
-    if impl == "ulysses":
-        check_ulysses_heads(args.n_heads // dims.tp, dims.cp)
 
 
 def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring") -> nn.Module:

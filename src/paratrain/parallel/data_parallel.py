@@ -135,26 +135,25 @@ def _zero_optimizer_class():
     return CheckpointableZero
 
 
-def build_zero1_optimizer(params, cfg, dims, device_type: str):
+def build_zero1_optimizer(params, cfg, layout, device_type: str):
     """ZeRO stage 1: AdamW states sharded over the data-parallel ranks; DDP still all-reduces full grads."""
-    group = dims.submesh("dp").get_group()
+    group = layout.submesh("dp").get_group()
     fused = device_type == "cuda"
     opt = _zero_optimizer_class()(params, optimizer_class=torch.optim.AdamW, process_group=group,
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                                   fused=fused or None, foreach=None if fused else True)
-    log.info("applied ZeRO-1: optimizer states sharded over %d ranks", dims.dp)
+    log.info("applied ZeRO-1: optimizer states sharded over %d ranks", layout.dp)
     return opt
 
 
 # -- FSDP2: ZeRO-2 / ZeRO-3 / HSDP --------------------------------------------------------------------------
-def fsdp_mesh(dims):
+def fsdp_mesh(layout):
     """The mesh FSDP runs over: 1-D (shard) for ZeRO-2/3, 2-D (replicate, shard) for HSDP; CP ranks shard too."""
-    if dims.dp_shard == 1:
+    if not layout.fsdp:
         return None
-    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-    if dims.dp_replicate > 1:
-        return dims.mesh["dp_replicate", shard]
-    return dims.mesh[shard]
+    if layout.dp_replicate > 1:
+        return layout.mesh["dp_replicate", layout.fsdp_group]
+    return layout.mesh[layout.fsdp_group]
 
 
 def mixed_precision_policy(dtype: str):
@@ -215,41 +214,14 @@ def track_unsharded_params(model: nn.Module, mesh) -> None:
     model.register_forward_hook(record)
 
 
-def apply_data_parallel(model: nn.Module, dims, options) -> nn.Module:
-    """The last step of parallelize(): FSDP2 when dp_shard > 1, else DDP over the replicas (and CP ranks)."""
-    if dims.dp_shard > 1:
-        return apply_fsdp(model, fsdp_mesh(dims), reshard_after_forward=options.zero_stage != 2,
-                          mp_policy=mixed_precision_policy(options.dtype), offload=options.cpu_offload)
-    if dims.dp_replicate > 1 or dims.cp_enabled:
+def apply_data_parallel(model: nn.Module, layout) -> nn.Module:
+    """The last step of parallelize(): FSDP2 when the layout shards, else DDP over the replicas (and CP ranks)."""
+    if layout.fsdp:
+        return apply_fsdp(model, fsdp_mesh(layout), reshard_after_forward=layout.zero_stage != 2,
+                          mp_policy=mixed_precision_policy(layout.dtype), offload=layout.cpu_offload)
+    if layout.ddp:
         # cp ranks hold replicated parameters unless FSDP shards over dp_shard_cp, so DDP averages over dp_cp
-        return apply_ddp(model, dims.submesh("dp_cp"), options.device_type, comm_hook=options.ddp_comm_hook,
-                         local_sgd_period=options.local_sgd_period, powersgd_start=options.powersgd_start)
+        mesh = layout.submesh("dp_cp")
+        return apply_ddp(model, mesh, mesh.device_type, comm_hook=layout.ddp_comm_hook,
+                         local_sgd_period=layout.local_sgd_period, powersgd_start=layout.powersgd_start)
     return model
-
-
-def check_dp_options(strategy: str, dims, device_type: str, comm_hook: str, local_sgd_period: int,
-                     cpu_offload: bool) -> None:
-    """Reject data-parallel option combinations that cannot run, with one line naming the fix."""
-    fsdp, ddp = dims.dp_shard > 1, dims.dp_shard == 1 and (dims.dp_replicate > 1 or dims.cp > 1)
-    if strategy == "hsdp" and (dims.dp_replicate < 2 or dims.dp_shard < 2):
-        raise UserError(f"hsdp needs --dp-replicate >= 2 and --dp-shard >= 2 (got {dims.dp_replicate} x "
-                        f"{dims.dp_shard}); use ddp for replication only or zero3 for sharding only")
-    if cpu_offload and not fsdp:
-        raise UserError(f"--cpu-offload needs a sharded strategy (zero2, zero3, fsdp, hsdp); {strategy!r} does not "
-                        "shard parameters with FSDP")
-    if cpu_offload and device_type != "cuda":
-        raise UserError("--cpu-offload moves FSDP's parameters off the GPU, but this run has no CUDA device "
-                        "(torch: 'Cannot access accelerator device when none is available')")
-    if comm_hook != "none":
-        if not ddp:
-            raise UserError(f"--ddp-comm-hook {comm_hook} needs DDP with more than one replica (ddp or zero1); "
-                            f"{strategy!r} with {dims.world_size} process(es) does not run DDP")
-        if comm_hook == "bf16" and device_type != "cuda":
-            raise UserError("--ddp-comm-hook bf16 needs NCCL on CUDA (torch's bf16 hook refuses gloo); "
-                            "use fp16 or powersgd on CPU")
-    if local_sgd_period:
-        if strategy != "ddp" or dims.dp_replicate < 2 or dims.world_size != dims.dp_replicate:
-            raise UserError(f"--local-sgd-period needs plain ddp over >= 2 replicas (got {strategy!r} "
-                            f"with {dims.world_size} process(es))")
-        if comm_hook != "none":
-            raise UserError("--local-sgd-period and --ddp-comm-hook both install a DDP comm hook; pick one")

@@ -8,36 +8,31 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.options import ParallelOptions
+from paratrain.parallel.layout import Layout
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None,
-                tp_plan: dict | None = None) -> nn.Module:
-    """Return the model ready to train on this rank. `dims.build_mesh()` must have been called."""
-    options = options or ParallelOptions(strategy="ddp" if dims.dp > 1 else "single")
+def parallelize(model: nn.Module, layout: Layout, tp_plan: dict | None = None) -> nn.Module:
+    """Return the model ready to train on this rank. `layout` must hold its mesh (`layout.with_mesh()`)
+    when it spans more than one rank; `tp_plan` (module path -> ParallelStyle) is needed when tp > 1."""
+    if layout.tp_enabled:
+        from paratrain.parallel.tensor_parallel import apply_tp
 
-    if dims.tp_enabled:
-        from paratrain.parallel.tensor_parallel import apply_tp, check_tp_layout
-
-        check_tp_layout(dims)
-        model = apply_tp(model, dims.submesh("tp"), sp=options.sp, plan=tp_plan)
-    if dims.cp_enabled:
+        model = apply_tp(model, layout.submesh("tp"), sp=layout.sp, plan=tp_plan)
+    if layout.cp_enabled:
         from paratrain.parallel.context_parallel import apply_cp
 
-        model = apply_cp(model, dims.submesh("cp"), impl=options.cp_impl)
-    if options.ac != "none":
+        model = apply_cp(model, layout.submesh("cp"), impl=layout.cp_impl)
+    if layout.ac != "none":
         from paratrain.parallel.activation_checkpoint import apply_ac
 
-        model = apply_ac(model, options.ac)
-    if options.compile:
+        model = apply_ac(model, layout.ac)
+    if layout.compile:
         from paratrain.parallel.compile import apply_compile
 
         # ring attention's P2P sends cannot be traced: let dynamo compile around them (a graph break)
-        model = apply_compile(model, fullgraph=not (dims.cp_enabled and options.cp_impl == "ring"))
+        model = apply_compile(model, fullgraph=not (layout.cp_enabled and layout.cp_impl == "ring"))
 
     # FSDP2 (ZeRO-2/3, HSDP) when dp_shard > 1, else DDP (+ comm hook / local SGD) over dp_cp
     from paratrain.parallel.data_parallel import apply_data_parallel
 
-    model = apply_data_parallel(model, dims, options)
-    return model
+    return apply_data_parallel(model, layout)

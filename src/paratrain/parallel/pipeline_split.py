@@ -1,5 +1,5 @@
-"""Pipeline layout: cost-balanced stage split, stage -> rank placement, carving stage modules, and the
-checks that reject a bad layout before any process starts."""
+"""Pipeline layout: cost-balanced stage split, stage -> rank placement, and carving stage modules.
+(The checks that reject a bad pipeline layout live in checks.py with the others.)"""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # any number of stages per rank
 
 
 @dataclass(frozen=True)
@@ -105,73 +102,3 @@ def carve_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
     part.norm = model.norm if spec.last else None
     part.output = model.output if spec.last else None
     return part
-
-
-# -- layout checks (run by validate_run before any process starts, and again in every worker) -------------
-def resolve_microbatches(strategy: str, microbatches: int | None, micro_batch: int | None, local_batch: int,
-                         pp: int) -> int:
-    """Pipeline micro-batches per step for one data-parallel rank.
-
-    --microbatches M cuts the rank's batch (global batch / dp) into M pipeline micro-batches. --micro-batch B
-    gives the same thing by size: M = local batch / B. Given both, they must agree. Neither: M = pp, the
-    fewest that keeps every stage busy in steady state. The "model" strategy is always one micro-batch.
-    """
-    if strategy == "model":
-        if microbatches not in (None, 1):
-            raise UserError(f"strategy 'model' (naive model parallel) runs one micro-batch; --microbatches "
-                            f"{microbatches} needs --strategy pp")
-        if micro_batch is not None and micro_batch != local_batch:
-            raise UserError(f"strategy 'model' runs the rank's whole batch ({local_batch}) as one micro-batch; "
-                            f"--micro-batch {micro_batch} needs --strategy pp")
-        return 1
-    if micro_batch is not None:
-        if local_batch % micro_batch:
-            raise UserError(f"per-rank batch {local_batch} is not divisible by --micro-batch {micro_batch}")
-        from_size = local_batch // micro_batch
-        if microbatches is not None and microbatches != from_size:
-            raise UserError(f"--microbatches {microbatches} and --micro-batch {micro_batch} disagree: the per-rank "
-                            f"batch {local_batch} / {micro_batch} = {from_size} micro-batches")
-        return from_size
-    return microbatches if microbatches is not None else pp
-
-
-def check_pipeline_layout(strategy: str, schedule: str, pp: int, virtual_stages: int, n_layers: int,
-                          global_batch: int, dp: int, microbatches: int | None, micro_batch: int | None,
-                          cp: int = 1, dtype: str = "fp32") -> int:
-    """Raise UserError naming the first problem with a pipeline layout; return the micro-batch count."""
-    n_stages = pp * virtual_stages
-    if n_stages > n_layers:
-        raise UserError(f"pp={pp} x {virtual_stages} stage(s) per rank = {n_stages} stages but the model has only "
-                        f"{n_layers} layers")
-    schedule = "gpipe" if strategy == "model" else schedule
-    if schedule in SINGLE_STAGE_SCHEDULES and virtual_stages != 1:
-        raise UserError(f"--pp-schedule {schedule} runs one stage per rank; --virtual-stages {virtual_stages} needs "
-                        f"interleaved-1f1b or zero-bubble")
-    if schedule == "interleaved-1f1b" and virtual_stages < 2:
-        raise UserError("--pp-schedule interleaved-1f1b needs --virtual-stages 2 or more (stages per rank)")
-    if cp > 1:
-        raise UserError(f"pipeline parallelism (pp={pp}) does not combine with context parallelism (cp={cp}) in "
-                        "this build; use tp or dp with pp")
-    if dtype == "fp16":
-        # GradScaler's skip-step decision is per rank: stages would disagree on whether to step
-        raise UserError("--dtype fp16 with pipeline parallelism is not supported (the loss scaler lives on the last "
-                        "stage only); use --dtype bf16")
-    if schedule == "zero-bubble" and dp > 1:
-        # its weight-gradient pass writes .grad directly, so DDP's and FSDP's gradient hooks never fire
-        raise UserError(f"--pp-schedule zero-bubble cannot be combined with data parallelism (dp={dp}): its "
-                        "deferred weight gradients bypass DDP/FSDP; use 1f1b or interleaved-1f1b")
-    if global_batch % dp:
-        raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {dp}")
-    local = global_batch // dp
-    m = resolve_microbatches(strategy, microbatches, micro_batch, local, pp)
-    if local % m:
-        raise UserError(f"per-rank batch {local} (global batch {global_batch} / dp {dp}) is not divisible by "
-                        f"{m} pipeline micro-batches")
-    if schedule == "1f1b" and m < pp:
-        raise UserError(f"--pp-schedule 1f1b needs at least as many micro-batches as stages: {m} < pp={pp}")
-    if schedule in MULTI_STAGE_SCHEDULES:
-        rounds = max(1, m // pp)
-        if m % rounds:
-            raise UserError(f"--pp-schedule {schedule} needs the micro-batch count ({m}) to be a multiple of "
-                            f"{rounds} (micro-batches // pp); try {rounds * pp}")
-    return m

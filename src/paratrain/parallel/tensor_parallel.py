@@ -1,6 +1,6 @@
 """apply_tp: shard a model's matmuls over the "tp" mesh dimension with DTensor's parallelize_module.
 
-The plan is the model family's own (models/plans.py) or one the user passes; it is checked first, so a
+The plan comes from the caller: the model family's own (models/plans.py) or one the user passes; it is checked first, so a
 typo or an indivisible size is one clear error instead of a shape failure deep inside a forward.
 """
 
@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 from fnmatch import fnmatch
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -28,29 +27,20 @@ def apply_tp(model: nn.Module, tp_mesh, sp: bool = False, plan: dict | None = No
              loss_parallel: bool = False) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh` and return it.
 
-    plan: {module path (fnmatch wildcards per component, e.g. "layers.*.mlp.up"): ParallelStyle}; None uses
-    the model family's built-in plan with sequence parallel when `sp`, and vocab-sharded logits when
-    `loss_parallel` (the loss must then be computed under torch.distributed.tensor.parallel.loss_parallel()).
+    plan: {module path (fnmatch wildcards per component, e.g. "layers.*.mlp.up"): ParallelStyle}, from the
+    caller: a model family's own (models/plans.py, with sequence parallel when `sp` and vocab-sharded logits
+    when `loss_parallel`) or the user's. `sp` and `loss_parallel` only label the log line here.
     """
     tp = tp_mesh.size()
     if plan is None:
-        from paratrain.models.plans import tp_plan_for
-
-        plan = tp_plan_for(model, tp, sp=sp, loss_parallel=loss_parallel)
+        raise UserError(f"tensor parallel needs a plan for {type(model).__name__}: pass "
+                        "tp_plan={'module.path': ColwiseParallel(), ...} to paratrain.parallelize")
     check_plan(model, plan, tp)
     parallelize_module(model, tp_mesh, plan)
     settle_grad_layouts(model)
     log.info("tensor parallel: tp=%d%s%s, %d plan entries", tp, ", sequence parallel" if sp else "",
              ", loss parallel" if loss_parallel else "", len(plan))
     return model
-
-
-def check_tp_layout(dims) -> None:
-    """TP composes with FSDP (2-D) but not with DDP: DDP broadcasts and buckets plain tensors, not DTensors."""
-    if dims.tp > 1 and dims.dp_shard == 1 and (dims.dp_replicate > 1 or dims.cp > 1):
-        other = f"dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else f"cp={dims.cp}"
-        raise UserError(f"tp={dims.tp} with {other} would need DDP over tensor-parallel (DTensor) parameters, "
-                        "which PyTorch does not support: shard the data-parallel ranks instead (--dp-shard, FSDP)")
 
 
 def settle_grad_layouts(model: nn.Module) -> None:
@@ -68,28 +58,6 @@ def settle_grad_layouts(model: nn.Module) -> None:
 def _settle_grad(param: DTensor) -> None:
     if param.grad is not None and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(param.device_mesh, param.placements)
-
-
-class ReplicateParallel(ParallelStyle):
-    """Keep a module whole on every tp rank, its parameters held as Replicate DTensors.
-
-    For layers between the sharded ones (e.g. norms without sequence parallel): every parameter then is a
-    DTensor on the same mesh, which foreach optimizers, grad-norm clipping and FSDP's 2-D sharding need.
-    Costs no communication: inputs are wrapped as Replicate, outputs handed back as local tensors.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        # no partition_fn: distribute_module replicates every parameter (broadcast from tp rank 0)
-        return distribute_module(module, device_mesh, input_fn=_inputs_as_replicate, output_fn=_output_as_local)
-
-
-def _inputs_as_replicate(module: nn.Module, inputs: tuple, mesh) -> tuple:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
-
-
-def _output_as_local(module: nn.Module, output, mesh):
-    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def match_modules(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

@@ -16,13 +16,8 @@ log = logging.getLogger("paratrain")
 
 
 def auto_hardware(device: str):
-    from paratrain.plan.hardware import (
-        default_profile_path,
-        detect,
-        get_gpu,
-        load_profile,
-        profile_from_spec,
-    )
+    from paratrain.gpu_catalog import get_gpu
+    from paratrain.plan.hardware import default_profile_path, detect, load_profile, profile_from_spec
 
     machine = detect()
     use_cuda = device == "cuda" or (device == "auto" and machine["device"] == "cuda")
@@ -44,9 +39,8 @@ def resolve_auto_strategy(cfg):
     """cfg with strategy 'auto' -> the same config with the planner's first feasible layout filled in."""
     import dataclasses
 
-    from paratrain.plan.planner import search
-    from paratrain.plan.search import Job
-    from paratrain.train.trainer import model_args_for
+    from paratrain.models.presets import model_args_for
+    from paratrain.plan.search import Job, search
     from paratrain.train.validate import world_size_for
 
     world = world_size_for(cfg.model_copy(update={"strategy": "ddp"}))
@@ -69,18 +63,13 @@ def resolve_auto_strategy(cfg):
                         f"or `paratrain plan` for details")
     best = feasible[0]
     lay = best.layout
-    from paratrain.plan.planner import explain
+    from paratrain.plan.report import explain
 
     log.info("--strategy auto (%s, %s): %s, micro-batch %d, ac %s; predicted %.3g s/step, %.2f GiB/device",
              where, f"{world} x {profile.gpu.name}", lay.label(), lay.micro_batch, lay.ac, best.time.step_s,
              best.memory.total / 2**30)
     for reason in explain(job, profile, best):
         log.info("  because: %s", reason)
-    update = {"strategy": lay.strategy, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-              "cp": lay.cp, "tp": lay.tp, "sp": lay.sp and lay.tp > 1, "micro_batch": lay.micro_batch, "ac": lay.ac,
-              "nproc": world}
-    if lay.cp > 1:
-        update["cp_impl"] = lay.cp_impl
-    if lay.pp > 1:
-        update.update(pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, microbatches=lay.microbatches)
-    return cfg.model_copy(update=update)
+    from paratrain.parallel.strategies import config_fields
+
+    return cfg.model_copy(update=config_fields(lay))

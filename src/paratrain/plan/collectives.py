@@ -8,7 +8,6 @@ bytes that cross each rank's link ("wire") are the payload times the ring factor
 from __future__ import annotations
 
 from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.layout import Layout
 
 WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -20,31 +19,6 @@ WIRE_FACTOR = {
 }
 # latency hops of a ring: all-reduce = reduce-scatter + all-gather
 HOPS = {"all_reduce": lambda n: 2 * (n - 1), "p2p": lambda n: 1}
-
-# group name -> the mesh dims it spans (parallel/dims.py's flattened views included)
-GROUP_DIMS = {"pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "cp": ("cp",),
-              "tp": ("tp",), "dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
-_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; tp is innermost
-
-
-def group_size(layout: Layout, group: str) -> int:
-    size = 1
-    for d in GROUP_DIMS[group]:
-        size *= getattr(layout, d)
-    return size
-
-
-def placement(layout: Layout, group: str, gpus_per_node: int) -> str:
-    """"intra" when every member of the group sits in one node (ranks fill nodes in mesh order), else "inter"."""
-    dims = GROUP_DIMS[group]
-    inner = _ORDER.index(dims[-1]) + 1
-    stride = 1
-    for d in _ORDER[inner:]:
-        stride *= getattr(layout, d)
-    span = stride * group_size(layout, group)
-    return "intra" if span <= gpus_per_node else "inter"
-
 
 def wire_bytes(kind: str, payload: float, n: int) -> float:
     return payload * WIRE_FACTOR[kind](n) if n > 1 else 0.0

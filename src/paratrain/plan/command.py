@@ -7,16 +7,8 @@ import logging
 import math
 
 from paratrain.errors import UserError
-from paratrain.plan.hardware import (
-    HardwareProfile,
-    custom_gpu,
-    default_profile_path,
-    get_gpu,
-    load_profile,
-    profile_from_spec,
-    with_cluster_overrides,
-)
-from paratrain.plan.layout import zero_stage_of
+from paratrain.gpu_catalog import custom_gpu, get_gpu
+from paratrain.plan.hardware import HardwareProfile, load_profile, profile_from_spec, with_cluster_overrides
 from paratrain.plan.search import Job
 
 log = logging.getLogger("paratrain")
@@ -86,18 +78,11 @@ def fixed_choices(o: dict) -> dict:
                                      "pp_schedule", "virtual_stages", "cp_impl")}
     strategy = o.get("strategy")
     if strategy:
-        from paratrain.parallel.dims import STRATEGY_TABLE
+        from paratrain.parallel.strategies import fixed_by_strategy
 
-        if strategy not in STRATEGY_TABLE:
-            raise UserError(f"unknown --strategy {strategy!r}; known: {', '.join(STRATEGY_TABLE)}")
-        if strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"):
-            fixed["zero_stage"] = zero_stage_of(strategy)
-        if strategy in ("ddp", "zero1") and fixed["dp_shard"] is None:
-            fixed["dp_shard"] = 1
-        if strategy in ("tp", "tp-sp") and fixed["sp"] is None:
-            fixed["sp"] = strategy == "tp-sp"
-        if strategy.startswith("cp-"):
-            fixed["cp_impl"] = strategy[3:]
+        for key, value in fixed_by_strategy(strategy).items():
+            if fixed.get(key) is None:
+                fixed[key] = value
     product = 1
     for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         product *= fixed[k] or 1
@@ -124,18 +109,6 @@ def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
     job = Job(args=args, model_name=name, gpus=o["gpus"], seq_len=seq, global_batch=batch, dtype=dtype,
               device_type=device)
     return job, hw, fixed_choices(o)
-
-
-def calibrate_and_save(o: dict) -> tuple[HardwareProfile, str]:
-    from paratrain.plan.calibrate import calibrate
-
-    nproc = o.get("nproc") or 2
-    log.info("calibrating on %d process(es): microbenchmarks, then reference training steps under each "
-             "strategy (about two minutes on a 2-core machine)", nproc)
-    profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0)
-    path = o.get("hardware") or str(default_profile_path())
-    profile.save(path)
-    return profile, path
 
 
 def format_plan(doc: dict) -> str:

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 
 from paratrain.models.llama import ModelArgs
-from paratrain.plan.layout import Layout
+from paratrain.parallel.layout import Layout
 from paratrain.plan.trace import PhasePeak, Trace, TraceKey, trace
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""search(): enumerate every valid layout for the job, predict memory and step time, rank, and explain.
+"""search(): enumerate every valid layout for the job, predict memory and step time, and rank them.
 
 Degrees, ZeRO stage, SP, CP flavour, pipeline schedule, micro-batch size and activation checkpointing are
 searched unless the user fixed them. Traces are shared: the data-parallel flavour and the pipeline schedule
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
+from paratrain.parallel.layout import Layout
 from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.layout import Layout
 from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.time import TimeEstimate, estimate_time
 
@@ -76,24 +77,14 @@ def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
 
 
 def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
-    """Why this layout cannot run at all (the runtime's own checks), or None."""
-    from paratrain.parallel.context_parallel import check_cp
-    from paratrain.parallel.dims import check_tp_divides
-    from paratrain.parallel.pipeline_split import check_pipeline_layout
+    """Why this layout cannot run at all (the runtime's own check_layout, plus what the planner knows of the
+    model family and the cluster), or None."""
+    from paratrain.parallel.checks import check_layout
 
     try:
-        check_tp_divides(job.args, lay.tp)
-        if lay.cp > 1:
-            if job.seq_len % (2 * lay.cp):
-                return f"cp={lay.cp} needs the sequence length to be a multiple of {2 * lay.cp}"
-            check_cp(job.args, lay.to_dims(), lay.cp_impl)
-        if job.global_batch % lay.dp:
-            return f"global batch {job.global_batch} is not divisible by dp={lay.dp}"
-        if lay.pp > 1:
-            check_pipeline_layout("pp", lay.pp_schedule, lay.pp, lay.virtual_stages, job.args.n_layers,
-                                  job.global_batch, lay.dp, lay.microbatches, lay.micro_batch)
-            if job.args.tie_embeddings:
-                return "a tied embedding cannot be split across pipeline stages"
+        check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
+        if lay.pp > 1 and job.args.tie_embeddings:
+            return "a tied embedding cannot be split across pipeline stages"
         if lay.tp > 1:
             _check_tp_plan(job.args, lay.tp, lay.sp)
     except UserError as exc:
@@ -134,7 +125,7 @@ def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
                 sched = fixed["pp_schedule"]
                 v = fixed.get("virtual_stages") or (2 if sched in ("interleaved-1f1b", "zero-bubble") else 1)
             out.append(Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, zero_stage=stage, sp=sp,
-                              cp_impl=impl, pp_schedule=sched, virtual_stages=v))
+                              cp_impl=impl, pp_schedule=sched, virtual_stages=v, dtype=job.dtype))
     return list(dict.fromkeys(out))
 
 
@@ -232,3 +223,78 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
                 best = trial if trial.time.step_s < best.time.step_s else best
                 break
     return grow(job, hw, best, fixed)
+
+
+def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate], list[Candidate], int]:
+    """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined).
+
+    Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
+    screened time, minus what recomputation can cost at most, could still beat the best found are refined.
+    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits.
+    """
+    feasible, infeasible = [], []
+    bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
+    nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
+    pp_now = nodes > 1 or (fixed.get("pp") or 1) > 1
+    groups = [[b for b in bases if b.pp == 1 or pp_now], [b for b in bases if b.pp > 1 and not pp_now]]
+    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    examined = 0
+    for group in groups:
+        if not group or (feasible and group is groups[1]):
+            continue
+        screened = []
+        for base in group:
+            examined += 1
+            floor = model_states_floor(job, base)
+            if floor > usable:
+                # no trace needed: parameters, gradients and optimizer state alone overflow the GPU
+                mem = MemoryEstimate(phase="model states alone (activations not traced)",
+                                     notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"])
+                states = model_states(job, base)
+                mem.params, mem.grads, mem.optimizer = states["params"], states["grads"], states["optimizer"]
+                lay = with_micro_batch(base, job, fixed.get("ac") or "full", fixed.get("micro_batch") or 1)
+                infeasible.append(Candidate(lay, memory=mem, feasible=False))
+                continue
+            cand = screen(job, hw, base, fixed)
+            if cand is None:
+                continue
+            (screened if cand.feasible else infeasible).append(cand)
+        screened.sort(key=lambda c: c.time.step_s)
+        best_time = math.inf
+        for cand in screened:
+            bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
+            if bound < best_time:
+                cand = refine(job, hw, cand, fixed)
+            best_time = min(best_time, cand.time.step_s)
+            feasible.append(cand)
+    feasible.sort(key=lambda c: c.time.step_s)
+    infeasible.sort(key=lambda c: c.memory.total)
+    return feasible, infeasible, examined
+
+
+def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536) -> tuple[int, Candidate] | None:
+    """The fewest GPUs on which some memory-frugal layout fits (FSDP, full AC, micro-batch 1, TP/PP as needed)."""
+    from dataclasses import replace
+
+
+    gpn = hw.gpu.gpus_per_node
+    counts = sorted({2 ** i for i in range(17)} | {gpn * k for k in range(1, limit // max(gpn, 1) + 1)})
+    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+    for n in (c for c in counts if c > job.gpus and c <= limit):
+        trial = replace(job, gpus=n)
+        for tp in (t for t in (1, 2, 4, 8) if t <= min(gpn, n)):
+            for p in (q for q in (1, 2, 4, 8, 16, 32) if n % (tp * q) == 0):
+                rest = n // (tp * p)
+                dp = math.gcd(rest, job.global_batch)
+                cp = rest // dp
+                if dp < 2 and cp < 2 and rest > 1:
+                    continue
+                lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full",
+                             micro_batch=1, microbatches=job.global_batch // dp, pp_schedule="1f1b",
+                             dtype=job.dtype)
+                if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
+                    continue
+                cand = evaluate(trial, hw, replace(lay))
+                if cand.feasible:
+                    return n, cand
+    return None

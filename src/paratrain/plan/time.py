@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
-from paratrain.plan.collectives import collective_time, group_size, placement, wire_bytes
+from paratrain.parallel.layout import Layout
+from paratrain.plan.collectives import collective_time, wire_bytes
 from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.layout import Layout
 from paratrain.plan.memory import stage_layout, trace_key
 from paratrain.plan.trace import Trace, trace
 
@@ -138,8 +138,8 @@ def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: 
     tp_t = cp_t = cp_fixed = 0.0
     for phase in ("fwd", "bwd"):
         for kind, payload, group in tr.comm_at(phase, layers):
-            n = group_size(layout, group)
-            t = collective_time(profile, kind, payload, n, placement(layout, group, gpn))
+            n = layout.group_size(group)
+            t = collective_time(profile, kind, payload, n, layout.placement(group, gpn))
             est.add_comm(kind, payload, n, microbatches)
             if group == "tp":
                 tp_t += t + (sp_call if kind in ("all_gather", "reduce_scatter") else 0.0)
@@ -176,7 +176,7 @@ def hsdp_all_reduce(profile: HardwareProfile, layout: Layout, shard_bytes: float
     if nr <= 1:
         return 0.0
     est.add_comm("all_reduce", shard_bytes, nr)
-    where = placement(layout, "dp_replicate", profile.gpu.gpus_per_node)
+    where = layout.placement("dp_replicate", profile.gpu.gpus_per_node)
     return collective_time(profile, "all_reduce", shard_bytes, nr, where)
 
 
@@ -191,7 +191,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
     overlap = profile.overlap
     if layout.fsdp:
         group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
-        n, where = group_size(layout, group), placement(layout, group, gpn)
+        n, where = layout.group_size(group), layout.placement(group, gpn)
         gathered = params / 2 if dtype == "bf16" else params  # the mixed-precision parameter dtype
         blocks = max(sum(c.layers for c in chunks), 1)
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
@@ -223,7 +223,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
     if layout.ddp:
         group = "dp_cp"
-        n, where = group_size(layout, group), placement(layout, group, gpn)
+        n, where = layout.group_size(group), layout.placement(group, gpn)
         ar = collective_time(profile, "all_reduce", grads, n, where)
         est.add_comm("all_reduce", grads, n)
         last = collective_time(profile, "all_reduce", min(grads, DDP_BUCKET_BYTES), n, where)
@@ -232,7 +232,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         exposed += profile.framework_us.get("ddp_us_per_mib", 0.0) * 1e-6 * grads / 2**20
         if layout.zero_stage == 1:
             # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step: one call each
-            nd, where_d = group_size(layout, "dp"), placement(layout, "dp", gpn)
+            nd, where_d = layout.group_size("dp"), layout.placement("dp", gpn)
             count = max(1, round(sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)))
             exposed += collective_time(profile, "broadcast", params / count, nd, where_d) * count
             est.add_comm("broadcast", params, nd)
@@ -283,11 +283,11 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
             est.comm_bytes += share.comm_bytes
             est.comm_wire_bytes += share.comm_wire_bytes
         io = max(io, c.tr.lo.io_bytes)
-    p2p = collective_time(profile, "p2p", io, 2, placement(layout, "pp", gpn))
+    p2p = collective_time(profile, "p2p", io, 2, layout.placement("pp", gpn))
     est.add_comm("p2p", io, 2, 2 * m * layout.virtual_stages)
     # hand-offs are asynchronous: in the steady state a stage pays the transfer, and a call's latency only
     # where the pipeline waits on it (filling and draining: 2 (p - 1) hand-offs)
-    p2p_latency = collective_time(profile, "p2p", 1, 2, placement(layout, "pp", gpn))
+    p2p_latency = collective_time(profile, "p2p", 1, 2, layout.placement("pp", gpn))
     transfer = max(p2p - p2p_latency, 0.0)
     ramp = 2 * (layout.pp - 1) * p2p_latency
     per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)

@@ -16,12 +16,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from paratrain.errors import CheckFailed, UserError
-from paratrain.train.runtime import in_launched_process
+from paratrain.train.rendezvous import STORE_ENV, in_launched_process
 
 log = logging.getLogger("paratrain")
 
-# The workers of our own single-node launcher find the loopback store here ("127.0.0.1:PORT").
-STORE_ENV = "PARATRAIN_STORE"
 FAULT_VARS = ("PARATRAIN_FAULT_KILL", "PARATRAIN_FAULT_STALL")
 PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.worker")
 
@@ -42,32 +40,6 @@ def _loopback_store(timeout_s: float):
 def loopback_interface() -> str | None:
     names = {name for _, name in socket.if_nameindex()}
     return next((n for n in ("lo", "lo0") if n in names), None)
-
-
-def worker_store(timeout_s: float):
-    """The store this worker builds its process group on, under a key prefix for this attempt; or None
-    to let torch decide (outside torch elastic, or when each attempt gets a fresh store anyway).
-
-    The prefix matters after an elastic restart: keys left by the killed attempt (gloo/NCCL addresses)
-    would otherwise be read by the new one (pytorch/pytorch#135712). One agent restarts all its workers
-    together, so TORCHELASTIC_RESTART_COUNT agrees across them; so it does across nodes with a static
-    rendezvous, where every agent sees the failure. With c10d across nodes a healthy agent restarts without
-    counting, so generated multi-node scripts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each
-    round) and this returns None.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    endpoint = os.environ.get(STORE_ENV)  # our own single-node launcher: its loopback store
-    if not endpoint and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's shared store
-        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    if not endpoint:
-        return None
-    import torch.distributed as dist
-
-    host, port = endpoint.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"paratrain/{os.environ['TORCHELASTIC_RUN_ID']}/attempt-{attempt}", store)
 
 
 def _worker_env(port: int) -> dict[str, str | None]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import UserError
+from paratrain.train.rendezvous import in_launched_process, worker_store
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,6 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def in_launched_process() -> bool:
-    """True when started by torchrun / srun / our own launcher (the rendezvous env is set)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
     """Join (or, for a lone process, create) the process group. Every group gets `timeout_s`."""
     store = None
@@ -72,8 +68,6 @@ def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
         device = torch.device("cpu")
     backend = backend_for(device_type)
     if not dist.is_initialized():
-        from paratrain.train.launch import worker_store
-
         store = worker_store(timeout_s) if store is None else store
         rendezvous = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),

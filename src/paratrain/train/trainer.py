@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import math
 import os
@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.models.presets import build_model, flops_per_token, get_preset
+from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
+from paratrain.models.plans import tp_plan_for
+from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.parallel.compile import compile_loss
-from paratrain.parallel.dims import ParallelDims, describe, resolve_dims
-from paratrain.parallel.options import ParallelOptions
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.parallelize import parallelize
-from paratrain.plan.hardware import catalog_name_for, device_peak_tflops
+from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
@@ -32,43 +33,24 @@ log = logging.getLogger("paratrain")
 LOADER_DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"  # test-only, see test_loader_delay_s()
 
 
-def model_args_for(cfg: TrainConfig):
-    args = get_preset(cfg.model)
-    shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
-    if shape:
-        args = dataclasses.replace(args, name=f"{args.name}-custom", **shape)
-        if args.dim % args.n_heads or args.head_dim % 2:
-            raise UserError(f"dim {args.dim} must split into {args.n_heads} heads of an even size (RoPE)")
-    if cfg.seq_len > args.max_seq_len:
-        args = dataclasses.replace(args, max_seq_len=cfg.seq_len)
-    return args
-
-
 def test_loader_delay_s() -> float:
     """Test-only: PARATRAIN_TEST_LOADER_DELAY_S=SECONDS makes the prefetcher sleep per batch (a slow loader)."""
     return float(os.environ.get(LOADER_DELAY_ENV) or 0.0)
 
 
-def dims_for(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    given = {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "cp": cfg.cp, "tp": cfg.tp}
-    return resolve_dims(cfg.strategy, world_size, given)
-
-
-def micro_batch_for(cfg: TrainConfig, dims: ParallelDims) -> int:
-    return cfg.micro_batch or max(1, cfg.global_batch // dims.dp)
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
-                 dims: ParallelDims | None = None):
+                 layout: Layout | None = None):
+        """`layout`: the run's Layout (default: resolved from cfg for this world), e.g. a single-device
+        reference inside a multi-rank job (verify)."""
+        from paratrain.parallel.checks import check_layout
+
         self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
-        self.dims = dims or dims_for(cfg, runtime.world_size)
-        self.distributed = self.dims.world_size > 1
+        layout = layout or resolve_layout(cfg, runtime.world_size)
+        self.distributed = layout.world > 1
         self.args = model_args_for(cfg)
-        self.options = ParallelOptions.from_config(cfg, runtime.device_type)
-        self.dims.check_model(self.args, cfg.seq_len, cfg.virtual_stages)
-        if self.distributed:
-            self.dims.build_mesh(runtime.device_type)
+        check_layout(layout, self.args, cfg.seq_len, cfg.global_batch, runtime.device_type)
+        self.layout = layout.with_mesh(runtime.device_type) if self.distributed else layout
 
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
@@ -80,9 +62,8 @@ class Trainer:
 
         dataset = make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed)
         self.floor = dataset.entropy_floor()
-        coords = self.dims.coords(runtime.rank if self.distributed else 0)
-        dp_rank = coords["dp_replicate"] * self.dims.dp_shard + coords["dp_shard"]
-        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.dims.dp, micro_batch_for(cfg, self.dims))
+        dp_rank = self.layout.dp_rank(runtime.rank) if self.distributed else 0
+        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, self.layout.micro_batch)
         self.step = 0
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
         self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step
@@ -94,19 +75,22 @@ class Trainer:
 
     # -- assembly -----------------------------------------------------------------------------------------
     def _build_step_runner(self, model):
-        use_autocast = self.cfg.dtype != "fp32"
-        if self.dims.pp_enabled:
-            from paratrain.parallel.pipeline import build_pipeline_step
+        layout = self.layout
+        use_autocast = layout.dtype != "fp32"
+        plan_for = functools.partial(tp_plan_for, tp=layout.tp, sp=layout.sp)
+        if layout.pp_enabled:
+            from paratrain.train.pipeline_step import build_pipeline_step
 
-            return build_pipeline_step(model, self.dims, self.options, self.rt.device, self.cfg, self.scaler)
+            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for)
         prepare = None
-        if self.dims.cp_enabled:
+        if layout.cp_enabled:
             from paratrain.parallel.context_parallel import sequence_sharder
 
-            prepare = sequence_sharder(self.dims)
-        model = parallelize(model, self.dims, self.options)  # on one device too: AC and compile live there
+            prepare = sequence_sharder(layout)
+        # on one device too: AC and compile live there
+        model = parallelize(model, layout, plan_for(model) if layout.tp_enabled else None)
         # TP may hand DTensor logits to the loss: keep that one eager
-        loss_fn = compile_loss(lm_loss) if self.options.compile and not self.dims.tp_enabled else lm_loss
+        loss_fn = compile_loss(lm_loss) if layout.compile and not layout.tp_enabled else lm_loss
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn)
 
     def _build_optimizers(self) -> list:
@@ -114,10 +98,10 @@ class Trainer:
         make = getattr(self.step_runner, "build_optimizers", None)
         if make is not None:
             return make(cfg)
-        if self.options.zero_stage == 1 and self.distributed:
+        if self.layout.zero_stage == 1:
             from paratrain.parallel.data_parallel import build_zero1_optimizer
 
-            return [build_zero1_optimizer(self.params, cfg, self.dims, self.rt.device_type)]
+            return [build_zero1_optimizer(self.params, cfg, self.layout, self.rt.device_type)]
         return [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.rt.device_type)]
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -142,8 +126,8 @@ class Trainer:
         extra = {"data": self.source.state_dict()}
         if self.scaler:
             extra["scaler"] = self.scaler.state_dict()
-        meta = {"model_fingerprint": self.fingerprint, "model": self.args.to_dict(), "world_size": self.dims.world_size,
-                "dims": self.dims.degrees(), "strategy": self.cfg.strategy}
+        meta = {"model_fingerprint": self.fingerprint, "model": self.args.to_dict(), "world_size": self.layout.world,
+                "dims": self.layout.degrees(), "strategy": self.cfg.strategy}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 
@@ -153,7 +137,7 @@ class Trainer:
         if reducer is not None:
             return reducer(local)
         if self.distributed:
-            group = self.dims.submesh("dp_cp")
+            group = self.layout.submesh("dp_cp")
             if group is not None:
                 local = local.clone()
                 dist.all_reduce(local, group=group.get_group())
@@ -166,7 +150,7 @@ class Trainer:
             set_lr(opt, lr)
             if self.scaler:
                 self.scaler.unscale_(opt)
-        pp_group = self.dims.submesh("pp").get_group() if self.dims.pp_enabled else None
+        pp_group = self.layout.submesh("pp").get_group() if self.layout.pp_enabled else None
         norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
         for opt in self.optimizers:
             if self.scaler:
@@ -210,7 +194,7 @@ class Trainer:
             floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
             log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.args.name,
                      f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
-                     cfg.strategy, describe(self.dims), self.dims.world_size, self.rt.device_type, floor)
+                     cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
         prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s())
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
@@ -226,7 +210,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {self.step}")
                 tokens_per_s = self.tokens_per_step / dt
-                mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.dims.world_size)
+                mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.layout.world)
                        if self.peak_tflops else None)
                 if self.step > 1 or cfg.steps == 1:
                     total_time += dt
@@ -249,20 +233,20 @@ class Trainer:
             if steplog:
                 steplog.close()
         avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else tokens_per_s
-        avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.dims.world_size)
+        avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.layout.world)
                    if (self.peak_tflops and total_time) else None)
         return {"steps": self.step, "final_loss": loss, "loss_floor": self.floor, "tokens_per_s": avg_tps,
                 "mfu": avg_mfu, "peak_mem_gib": self.memory_gib(),
                 "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
-                "dims": self.dims.degrees(), "world_size": self.dims.world_size,
+                "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
                 "losses": [r["loss"] for r in history]}
 
     def out_of_memory(self) -> UserError:
         """Dump the allocator state, then name the snapshot and the planner's fix in one line."""
         snapshot = self.mem_snapshot.dump("oom-snapshot")
         gpu = catalog_name_for(torch.cuda.get_device_name(self.rt.device)) if self.rt.device_type == "cuda" else None
-        return out_of_memory_error(self.cfg, self.dims.world_size, self.source.micro_batch, self.step, self.rt.rank,
+        return out_of_memory_error(self.cfg, self.layout.world, self.source.micro_batch, self.step, self.rt.rank,
                                    snapshot, gpu, cuda_memory_summary(self.rt.device))
 
     def verify_extras(self) -> dict:

@@ -1,5 +1,5 @@
-"""Pipeline parallelism: carve the model into stages, parallelize each, and run one optimizer step's
-micro-batches through a torch.distributed.pipelining schedule, timing each rank's busy and idle time."""
+"""The Trainer's step runner for pp > 1: carve the model into stages, parallelize each, and run one optimizer
+step's micro-batches through a torch.distributed.pipelining schedule, timing each rank's busy and idle time."""
 
 from __future__ import annotations
 
@@ -18,15 +18,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.options import ParallelOptions
+from paratrain.parallel.layout import Layout
 from paratrain.parallel.parallelize import parallelize
-from paratrain.parallel.pipeline_split import (
-    carve_stage,
-    check_pipeline_layout,
-    split_into_stages,
-    stage_ranks,
-)
+from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.train.data import Batch
 from paratrain.train.optim import build_optimizer
 from paratrain.train.step import autocast_context, lm_loss
@@ -76,9 +70,9 @@ def _autocast_forward(module: nn.Module, device_type: str, dtype: str) -> None:
     module.forward = run
 
 
-def _mesh_named(dims: ParallelDims, names: tuple[str, ...], layout=None):
+def _mesh_named(layout: Layout, names: tuple[str, ...], mesh_layout=None):
     """The mesh a DTensor crossing a stage boundary lives on (sequence-parallel activations: "tp")."""
-    return dims.mesh[names if len(names) > 1 else names[0]]
+    return layout.mesh[names if len(names) > 1 else names[0]]
 
 
 def _shape_pass_without_sync(stage: PipelineStage) -> None:
@@ -96,13 +90,13 @@ def _shape_pass_without_sync(stage: PipelineStage) -> None:
 class PipelineStep:
     """The Trainer's step runner for pp > 1: forward + backward of one optimizer step through the schedule."""
 
-    def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], dims: ParallelDims,
-                 device: torch.device, microbatches: int, last_pp_rank: int):
+    def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], layout: Layout,
+                 device: torch.device, last_pp_rank: int):
         self.schedule, self.stages, self.model_parts = schedule, stages, parts
-        self.dims, self.device, self.microbatches = dims, device, microbatches
+        self.layout, self.device, self.microbatches = layout, device, layout.microbatches
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
-        self.pp_mesh = dims.submesh("pp")
+        self.pp_mesh = layout.submesh("pp")
         self.last_pp_rank = last_pp_rank
         self.clock = BusyClock()
         for stage in stages:
@@ -144,7 +138,7 @@ class PipelineStep:
         if self.pp_mesh is not None:
             group = self.pp_mesh.get_group()
             dist.broadcast(value, src=dist.get_global_rank(group, self.last_pp_rank), group=group)
-        dp_cp = self.dims.submesh("dp_cp")
+        dp_cp = self.layout.submesh("dp_cp")
         if dp_cp is not None:
             dist.all_reduce(value, group=dp_cp.get_group())
             value /= dp_cp.size()
@@ -171,10 +165,9 @@ class PipelineStep:
             r["own_idle_fraction"] = r.pop("idle_fraction")
             r["idle_fraction"] = 1 - r["busy_s"] / step_s if step_s > 0 else 0.0
         idle = [r["idle_fraction"] for r in everyone]
-        v = self.stages[0].num_stages // self.dims.pp
-        return {"schedule": type(self.schedule).__name__, "microbatches": self.microbatches, "pp": self.dims.pp,
-                "virtual_stages": v, "step_s": step_s,
-                "ideal_bubble_fraction": ideal_bubble(self.dims.pp, self.microbatches, v),
+        return {"schedule": type(self.schedule).__name__, "microbatches": self.microbatches, "pp": self.layout.pp,
+                "virtual_stages": self.layout.virtual_stages, "step_s": step_s,
+                "ideal_bubble_fraction": self.layout.ideal_bubble,
                 "idle_fraction_mean": sum(idle) / len(idle), "per_rank": everyone}
 
     def verify_extras(self) -> dict:
@@ -182,47 +175,38 @@ class PipelineStep:
         return {"pipeline": report} if report else {}
 
 
-def ideal_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a 1F1B / GPipe pipeline with equal stage times: (p-1) / (v*m + p-1)."""
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
-
-
-def build_pipeline_step(model: nn.Module, dims: ParallelDims, options: ParallelOptions, device: torch.device, cfg,
-                        scaler=None) -> PipelineStep:
+def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, seq_len: int,
+                        tp_plan_for=None) -> PipelineStep:
     """Split `model` into stages, keep this rank's, parallelize each (TP/FSDP/DDP), and build the schedule.
 
-    `scaler` is always None: fp16 (loss scaling) is rejected for pipelines by check_pipeline_layout.
+    tp_plan_for(stage_module) gives each stage's TP plan when tp > 1 (the model family's, from the caller).
+    fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines.
     """
-    schedule_name = "gpipe" if options.strategy == "model" else options.pp_schedule
-    v = options.virtual_stages
-    microbatches = check_pipeline_layout(options.strategy, schedule_name, dims.pp, v, len(model.layers),
-                                         cfg.global_batch, dims.dp, options.microbatches, cfg.micro_batch, dims.cp,
-                                         options.dtype)
-    specs = split_into_stages(model, dims.pp, v, cfg.seq_len)
-    ranks = stage_ranks(dims.pp, len(specs))
-    pp_mesh = dims.submesh("pp")
+    specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len)
+    ranks = stage_ranks(layout.pp, len(specs))
+    pp_mesh = layout.submesh("pp")
     pp_rank = pp_mesh.get_local_rank()
     stages, parts = [], []
     for spec in specs:
         if ranks[spec.index] != pp_rank:
             continue
         part = carve_stage(model, spec)
-        part = parallelize(part, dims, options)
-        if options.dtype != "fp32":
-            _autocast_forward(part, device.type, options.dtype)
+        part = parallelize(part, layout, tp_plan_for(part) if layout.tp_enabled else None)
+        if layout.dtype != "fp32":
+            _autocast_forward(part, device.type, layout.dtype)
         parts.append(part)
         stage = PipelineStage(part, spec.index, len(specs), device, group=pp_mesh.get_group(),
-                              get_mesh=functools.partial(_mesh_named, dims))
+                              get_mesh=functools.partial(_mesh_named, layout))
         if hasattr(part, "no_sync"):
             _shape_pass_without_sync(stage)
         stages.append(stage)
-    step = PipelineStep(None, stages, parts, dims, device, microbatches, ranks[-1])
-    cls = SCHEDULES[schedule_name]
+    step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
+    cls = SCHEDULES[layout.pp_schedule]
     stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
-    step.schedule = cls(stage_arg, microbatches, loss_fn=step.loss_fn, scale_grads=True)
+    step.schedule = cls(stage_arg, layout.microbatches, loss_fn=step.loss_fn, scale_grads=True)
     if pp_rank == 0:
-        layout = "; ".join(f"stage {s.index}: layers {s.layers[0]}-{s.layers[-1]}"
-                           + (" +embed" if s.first else "") + (" +head" if s.last else "") for s in specs)
-        log.info("pipeline %s, pp=%d x %d stage(s)/rank, %d micro-batches; %s", schedule_name, dims.pp, v,
-                 microbatches, layout)
+        split = "; ".join(f"stage {s.index}: layers {s.layers[0]}-{s.layers[-1]}"
+                          + (" +embed" if s.first else "") + (" +head" if s.last else "") for s in specs)
+        log.info("pipeline %s, pp=%d x %d stage(s)/rank, %d micro-batches; %s", layout.pp_schedule, layout.pp,
+                 layout.virtual_stages, layout.microbatches, split)
     return step

@@ -1,4 +1,4 @@
-"""The calibration's fit (plan/fit.py): given reference step times that a known set of costs would produce,
+"""The calibration's fit (calibrate/fit.py): given reference step times that a known set of costs would produce,
 it recovers those costs; and a fitted cost moves the prediction of the strategy it belongs to only."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from paratrain.plan import fit
-from paratrain.plan.hardware import get_gpu, profile_from_spec
+from paratrain.calibrate import fit
+from paratrain.gpu_catalog import get_gpu
+from paratrain.plan.hardware import profile_from_spec
 
 TRUE_COSTS = {"ddp_us_per_mib": 300.0, "fsdp_scale": 1.2, "fsdp_bwd_scale": 0.8, "dtensor_op": 40.0,
               "sp_call": 700.0, "cp_p2p_call": 500.0, "cp_all_to_all_call": 250.0, "pp_microbatch": 800.0}

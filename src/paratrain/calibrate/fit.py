@@ -60,9 +60,9 @@ def reference_config(name: str, world: int, device: str):
 def measure_references(rt, rounds: int = 9, warmup: int = 2) -> dict[str, float]:
     """Median step seconds of each reference (the slowest rank's), measured in interleaved rounds in this
     process group, as benchmarks/planner_accuracy.py measures the configs it checks."""
+    from paratrain.calibrate.harness import interleaved_step_times
     from paratrain.errors import UserError
-    from paratrain.parallel.dims import ParallelDims
-    from paratrain.plan.measure import interleaved_step_times
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.trainer import Trainer
 
     names, trainers = [], []
@@ -71,8 +71,8 @@ def measure_references(rt, rounds: int = 9, warmup: int = 2) -> dict[str, float]
             continue
         cfg = reference_config(name, rt.world_size, rt.device_type)
         try:
-            dims = ParallelDims(world_size=1) if _single(name) else None
-            trainers.append(Trainer(cfg, rt, None, quiet=True, dims=dims))
+            layout = resolve_layout(cfg, 1 if _single(name) else rt.world_size)
+            trainers.append(Trainer(cfg, rt, None, quiet=True, layout=layout))
         except UserError:
             continue  # e.g. a strategy this world size cannot run
         names.append(name)
@@ -82,12 +82,12 @@ def measure_references(rt, rounds: int = 9, warmup: int = 2) -> dict[str, float]
 
 
 def _predict(profile, name: str, world: int, device_type: str) -> float:
-    from paratrain.plan.layout import layout_from_config
+    from paratrain.models.presets import model_args_for
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.plan.time import estimate_time
-    from paratrain.train.trainer import model_args_for
 
     cfg = reference_config(name, world, device_type)
-    layout = layout_from_config(cfg, 1 if _single(name) else world)
+    layout = resolve_layout(cfg, 1 if _single(name) else world)
     return estimate_time(profile, model_args_for(cfg), layout, cfg.seq_len, cfg.dtype, device_type).step_s
 
 

@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 
 def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False) -> dict:
-    from paratrain.parallel.dims import ParallelDims
+    from paratrain.parallel.strategies import resolve_layout
     from paratrain.plan.tracker import LiveTensorTracker
-    from paratrain.train.trainer import Trainer, dims_for
+    from paratrain.train.trainer import Trainer
 
     world = 1 if cfg.strategy == "single" else rt.world_size
-    dims = ParallelDims(world_size=1) if world == 1 else dims_for(cfg, world)
+    layout = resolve_layout(cfg, world)
     cuda = rt.device_type == "cuda"
     holder: dict = {}
 
@@ -42,7 +42,7 @@ def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False
     if tracker is not None:
         tracker.__enter__()
     try:
-        trainer = Trainer(cfg, rt, None, quiet=True, dims=dims)
+        trainer = Trainer(cfg, rt, None, quiet=True, layout=layout)
         holder["trainer"] = trainer
         times = []
         for step in range(steps):
@@ -65,7 +65,7 @@ def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False
     holder.clear()
     del trainer
     gc.collect()
-    return {"peak_bytes": peak, "step_times": times, "peak_breakdown": info}
+    return {"peak_bytes": peak, "step_times": times, "peak_breakdown": info, "layout": layout.to_dict()}
 
 
 def measure_worker(cfg_dicts: list[dict], opts: dict | None = None) -> list[dict] | None:
@@ -97,7 +97,8 @@ def measure_worker(cfg_dicts: list[dict], opts: dict | None = None) -> list[dict
                           "peak_bytes": [r.get("peak_bytes") for r in ranks],
                           "step_times": [r.get("step_times") for r in ranks],
                           "peak_breakdown": [r.get("peak_breakdown") for r in ranks],
-                          "error": next((r["error"] for r in ranks if "error" in r), None)}
+                          "error": next((r["error"] for r in ranks if "error" in r), None),
+                          "layout": next((r["layout"] for r in ranks if "layout" in r), None)}
                 out.append(merged)
     finally:
         shutdown()

@@ -1,24 +1,19 @@
-"""plan(): search the layouts of a job on a cluster, rank them, explain each, and build the `plan --json` document."""
+"""The plan report: explain each candidate in plain language and build the `plan --json` document."""
 
 from __future__ import annotations
 
 import logging
 import math
 
-from paratrain.plan.collectives import placement
+from paratrain.parallel.layout import Layout
 from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.memory import GIB, MemoryEstimate
+from paratrain.plan.memory import GIB
 from paratrain.plan.search import (
-    AC_SPEEDUP_BOUND,
     Candidate,
     Job,
-    base_layouts,
-    evaluate,
-    model_states,
     model_states_floor,
-    refine,
-    screen,
-    with_micro_batch,
+    search,
+    smallest_gpu_count,
 )
 
 log = logging.getLogger("paratrain")
@@ -38,7 +33,7 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
     else:
         out.append(f"does not fit: {_gib(mem.total)} > {_gib(usable)} usable of {gpu.mem_gib:g} GiB per GPU "
                    f"(peak during the {mem.phase})")
-    replicated = model_states_floor(job, lay.__class__(tp=lay.tp, pp=lay.pp, dp_replicate=lay.world // lay.tp // lay.pp))
+    replicated = model_states_floor(job, Layout(tp=lay.tp, pp=lay.pp, dp_replicate=lay.world // lay.tp // lay.pp))
     if lay.fsdp:
         stage = "ZeRO-3" if lay.zero_stage == 3 else "ZeRO-2"
         if replicated > usable:
@@ -52,7 +47,7 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
         out.append(f"{kind}: every GPU holds {_gib(model_states_floor(job, lay))} of model states")
     gpn = gpu.gpus_per_node
     if lay.tp > 1:
-        where = placement(lay, "tp", gpn)
+        where = lay.placement("tp", gpn)
         out.append(f"TP={lay.tp} kept inside a node: intra-node {gpu.intra_node_gbs:g} GB/s vs inter-node "
                    f"{gpu.inter_node_gbs:g} GB/s" if where == "intra" else
                    f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s")
@@ -72,7 +67,7 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
         t = cand.time
         if lay.dp > 1 or lay.cp > 1:
             group = "dp_shard_cp" if (lay.fsdp and lay.cp > 1) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
-            where = placement(lay, group, gpn)
+            where = lay.placement(group, gpn)
             if where == "inter":
                 out.append(f"data-parallel collectives cross nodes ({gpu.inter_node_gbs:g} GB/s per GPU)")
         out.append(f"step {t.step_s:.3g} s: compute {t.compute_s / t.step_s:.0%}, exposed communication "
@@ -102,86 +97,9 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate) -> dict:
                                                       if isinstance(v, float)}} if t else None,
         "feasible": cand.feasible, "reasons": explain(job, hw, cand),
         "notes": cand.memory.notes if cand.memory else [],
-        "command": "paratrain train " + " ".join(lay.train_args(job.model_name, job.seq_len, job.global_batch,
-                                                                job.dtype)),
+        "command": "paratrain train " + " ".join(["--model", job.model_name,
+                                                  *lay.train_args(job.seq_len, job.global_batch)]),
     }
-
-
-def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate], list[Candidate], int]:
-    """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined).
-
-    Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
-    screened time, minus what recomputation can cost at most, could still beat the best found are refined.
-    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits.
-    """
-    feasible, infeasible = [], []
-    bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
-    nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
-    pp_now = nodes > 1 or (fixed.get("pp") or 1) > 1
-    groups = [[b for b in bases if b.pp == 1 or pp_now], [b for b in bases if b.pp > 1 and not pp_now]]
-    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
-    examined = 0
-    for group in groups:
-        if not group or (feasible and group is groups[1]):
-            continue
-        screened = []
-        for base in group:
-            examined += 1
-            floor = model_states_floor(job, base)
-            if floor > usable:
-                # no trace needed: parameters, gradients and optimizer state alone overflow the GPU
-                mem = MemoryEstimate(phase="model states alone (activations not traced)",
-                                     notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"])
-                states = model_states(job, base)
-                mem.params, mem.grads, mem.optimizer = states["params"], states["grads"], states["optimizer"]
-                lay = with_micro_batch(base, job, fixed.get("ac") or "full", fixed.get("micro_batch") or 1)
-                infeasible.append(Candidate(lay, memory=mem, feasible=False))
-                continue
-            cand = screen(job, hw, base, fixed)
-            if cand is None:
-                continue
-            (screened if cand.feasible else infeasible).append(cand)
-        screened.sort(key=lambda c: c.time.step_s)
-        best_time = math.inf
-        for cand in screened:
-            bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
-            if bound < best_time:
-                cand = refine(job, hw, cand, fixed)
-            best_time = min(best_time, cand.time.step_s)
-            feasible.append(cand)
-    feasible.sort(key=lambda c: c.time.step_s)
-    infeasible.sort(key=lambda c: c.memory.total)
-    return feasible, infeasible, examined
-
-
-def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536) -> tuple[int, Candidate] | None:
-    """The fewest GPUs on which some memory-frugal layout fits (FSDP, full AC, micro-batch 1, TP/PP as needed)."""
-    from dataclasses import replace
-
-    from paratrain.plan.layout import Layout
-    from paratrain.plan.search import structural_problem
-
-    gpn = hw.gpu.gpus_per_node
-    counts = sorted({2 ** i for i in range(17)} | {gpn * k for k in range(1, limit // max(gpn, 1) + 1)})
-    usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
-    for n in (c for c in counts if c > job.gpus and c <= limit):
-        trial = replace(job, gpus=n)
-        for tp in (t for t in (1, 2, 4, 8) if t <= min(gpn, n)):
-            for p in (q for q in (1, 2, 4, 8, 16, 32) if n % (tp * q) == 0):
-                rest = n // (tp * p)
-                dp = math.gcd(rest, job.global_batch)
-                cp = rest // dp
-                if dp < 2 and cp < 2 and rest > 1:
-                    continue
-                lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full",
-                             micro_batch=1, microbatches=job.global_batch // dp,
-                             pp_schedule="1f1b")
-                if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
-                    continue
-                cand = evaluate(trial, hw, replace(lay))
-                if cand.feasible:
-                    return n, cand
-    return None
 
 
 def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10) -> dict:

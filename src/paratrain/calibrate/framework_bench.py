@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from paratrain.plan.calibrate import _agree_max, _collective_latency, _timeit_together
+from paratrain.calibrate.timing import agree_max, collective_latency, time_together
 
 
 class _DTensorOpCounter:
@@ -53,10 +53,10 @@ def bench_framework(device, budget_s: float) -> dict[str, float]:
     counter = _DTensorOpCounter()
     with counter.mode:
         step(tp)
-    t_local = _timeit_together(lambda: step(local), device, budget_s)
-    t_tp = _timeit_together(lambda: step(tp), device, budget_s)
+    t_local = time_together(lambda: step(local), device, budget_s)
+    t_tp = time_together(lambda: step(tp), device, budget_s)
     # one all-reduce forward and one backward (the row-parallel output, the column-parallel input grad)
-    comm = 2 * _collective_latency("all_reduce")
+    comm = 2 * collective_latency("all_reduce")
     dtensor_op = max(0.0, t_tp - t_local - comm) / max(counter.count, 1)
 
     result = {"dtensor_op": dtensor_op * 1e6}
@@ -87,11 +87,11 @@ def _fsdp_param_overhead(device, mesh, budget_s: float, blocks: int = 6, per_blo
     for block in sharded:
         fully_shard(block, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    base = _timeit_together(lambda: fsdp_step(plain), device, budget_s)
-    t_fsdp = _timeit_together(lambda: fsdp_step(sharded), device, budget_s)
+    base = time_together(lambda: fsdp_step(plain), device, budget_s)
+    t_fsdp = time_together(lambda: fsdp_step(sharded), device, budget_s)
     # ZeRO-3 per block and step: a gather for the forward, one for the backward, a reduce-scatter, each with
     # its collective's latency (charged by the collective model already)
-    latency = sum(_collective_latency(k) for k in ("all_gather", "all_gather", "reduce_scatter"))
+    latency = sum(collective_latency(k) for k in ("all_gather", "all_gather", "reduce_scatter"))
     params_per_block = 2 * (per_block // 2)
     return max(0.0, (t_fsdp - base) / blocks - latency) / (3 * params_per_block) * 1e6
 
@@ -130,7 +130,7 @@ def _fsdp_group_times(device, mesh, width: int, blocks: int, budget_s: float) ->
     group_mib = sum(p.numel() * 4 for p in plain[0].parameters()) / 2**20
 
     def timed(fn):
-        return _agree_max(_timeit_together(fn, device, 2 * budget_s), device)
+        return agree_max(time_together(fn, device, 2 * budget_s), device)
 
     def fwd_bwd(m):
         m(x).sum().backward()

@@ -1,0 +1,226 @@
+"""Layout: the one description of a parallel run, shared by train, plan, bench and doctor.
+
+It holds the degrees and every option that shapes the run; every derived fact (DDP or FSDP, the shard
+degree, a rank's coordinates, a group's size and node placement, the ideal pipeline bubble) is a property
+here and nowhere else. strategies.py turns a config into a Layout; checks.py validates one against a model.
+
+Rank layout (outermost first): pp, dp_replicate, dp_shard, cp, tp. TP is innermost so that it stays on the
+fastest links (inside a node); PP is outermost because it sends the least.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from paratrain.errors import UserError
+
+log = logging.getLogger("paratrain")
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# flattened views: data loading uses "dp", FSDP shards over "dp_shard_cp", the loss averages over "dp_cp"
+GROUP_DIMS: dict[str, tuple[str, ...]] = {
+    **{n: (n,) for n in DIM_NAMES},
+    "dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+FLATTENED = {name: dims for name, dims in GROUP_DIMS.items() if len(dims) > 1}
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # any number of stages per rank
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero_stage: int = 0  # 0: none / DDP, 1: ZeroRedundancyOptimizer, 2: FSDP2 no reshard, 3: FSDP2
+    sp: bool = False
+    cp_impl: str = "ring"
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1  # sequences per forward pass per rank
+    microbatches: int = 1  # pipeline micro-batches (pp > 1) or gradient-accumulation steps (pp == 1)
+    ac: str = "none"  # none | selective | full
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
+    compile: bool = False
+    ddp_comm_hook: str = "none"
+    local_sgd_period: int = 0
+    cpu_offload: bool = False
+    powersgd_start: int = 2  # plain all-reduce steps before PowerSGD compresses
+    mesh: object = field(default=None, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in DIM_NAMES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"degree --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+    # -- sizes ------------------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    world_size = world
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def degrees(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in DIM_NAMES}
+
+    # -- the data-parallel wrapper: the one "DDP or FSDP?" rule -----------------------------------------
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 (ZeRO-2/3, HSDP) wraps the model whenever parameters are sharded over dp_shard."""
+        return self.dp_shard > 1
+
+    @property
+    def ddp(self) -> bool:
+        """DDP over dp_cp when nothing is sharded but ranks replicate (data or context parallel)."""
+        return self.dp_shard == 1 and (self.dp_replicate > 1 or self.cp > 1)
+
+    @property
+    def shard_degree(self) -> int:
+        """FSDP shards over dp_shard x cp (the flattened dp_shard_cp mesh); 1 when nothing is sharded."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def fsdp_group(self) -> str:
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
+
+    # -- ranks and groups ---------------------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate along each dim, in the mesh layout above."""
+        out = {}
+        for name in reversed(DIM_NAMES):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {n: out[n] for n in DIM_NAMES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel replica's share of the global batch this rank reads."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def group_size(self, group: str) -> int:
+        size = 1
+        for d in GROUP_DIMS[group]:
+            size *= getattr(self, d)
+        return size
+
+    def placement(self, group: str, gpus_per_node: int) -> str:
+        """"intra" when every member of the group sits in one node (ranks fill nodes in mesh order), else "inter"."""
+        inner = DIM_NAMES.index(GROUP_DIMS[group][-1]) + 1
+        stride = 1
+        for d in DIM_NAMES[inner:]:
+            stride *= getattr(self, d)
+        return "intra" if stride * self.group_size(group) <= gpus_per_node else "inter"
+
+    @property
+    def ideal_bubble(self) -> float:
+        """Idle fraction of a pipeline with equal stage times: (p-1) / (v*m + p-1); 0 without a pipeline."""
+        if self.pp == 1:
+            return 0.0
+        return (self.pp - 1) / (self.virtual_stages * self.microbatches + self.pp - 1)
+
+    # -- names --------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        """The `--strategy` name that, with the degrees given explicitly, runs this layout."""
+        if self.dp_shard > 1:
+            if self.dp_replicate > 1:
+                return "hsdp"
+            return "zero2" if self.zero_stage == 2 else "zero3"
+        if self.dp_replicate > 1:
+            return "zero1" if self.zero_stage == 1 else "ddp"
+        if self.pp > 1:
+            return "pp"
+        if self.cp > 1:
+            return f"cp-{self.cp_impl}"
+        if self.tp > 1:
+            return "tp-sp" if self.sp else "tp"
+        return "single"
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={getattr(self, n)}" for n in DIM_NAMES if getattr(self, n) > 1) or "single device"
+
+    def label(self) -> str:
+        extra = []
+        if self.tp > 1 and self.sp:
+            extra.append("sp")
+        if self.cp > 1:
+            extra.append(self.cp_impl)
+        if self.pp > 1:
+            extra.append(self.pp_schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        body = self.describe() if self.world > 1 else "1 device"
+        return f"{self.strategy} [{body}{'; ' + ', '.join(extra) if extra else ''}]"
+
+    def train_args(self, seq_len: int, global_batch: int) -> list[str]:
+        """`paratrain train` arguments (after the model) that run exactly this layout."""
+        args = ["--strategy", self.strategy, "--nproc", str(self.world)]
+        for n in DIM_NAMES:
+            args += [f"--{n.replace('_', '-')}", str(getattr(self, n))]
+        if self.tp > 1:
+            args.append("--sp" if self.sp else "--no-sp")
+        if self.cp > 1:
+            args += ["--cp-impl", self.cp_impl]
+        if self.pp > 1:
+            args += ["--pp-schedule", self.pp_schedule, "--virtual-stages", str(self.virtual_stages),
+                     "--microbatches", str(self.microbatches)]
+        args += ["--micro-batch", str(self.micro_batch), "--ac", self.ac, "--seq-len", str(seq_len),
+                 "--global-batch", str(global_batch), "--dtype", self.dtype]
+        if self.compile:
+            args.append("--compile")
+        return args
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Layout:
+        return cls(**values)
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    # -- mesh ---------------------------------------------------------------------------------------------
+    def with_mesh(self, device_type: str) -> Layout:
+        """This layout plus its DeviceMesh (only dims with degree > 1, and the flattened views strategies use)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = [n for n in DIM_NAMES if getattr(self, n) > 1] or ["dp_replicate"]
+        shape = [getattr(self, n) for n in names]
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        for flat, parts in FLATTENED.items():
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                mesh[present]._flatten(flat)
+        log.info("device mesh %s", dict(zip(names, shape)))
+        return dataclasses.replace(self, mesh=mesh)
+
+    def submesh(self, name: str):
+        """A named (possibly flattened) sub-mesh, or None when that group is trivial here."""
+        present = [p for p in GROUP_DIMS[name] if getattr(self, p) > 1]
+        if not present:
+            return None
+        if self.mesh is None:
+            raise RuntimeError("Layout.with_mesh() has not been called")
+        return self.mesh[name if len(present) > 1 else present[0]]

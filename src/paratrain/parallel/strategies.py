@@ -1,0 +1,185 @@
+"""The strategy table and resolve_layout(): the only code that reads strategy names.
+
+A strategy name is shorthand for a Layout: which degree takes the world, which data-parallel dim absorbs
+ranks the user's degrees leave over, and the options it implies (ZeRO stage, SP, CP flavour, naive pipeline).
+Adding a strategy is one row here (plus an apply_* if it needs a new technique, and a planner cost term).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.errors import UserError
+from paratrain.parallel.layout import DIM_NAMES, Layout
+
+
+@dataclass(frozen=True)
+class Strategy:
+    pins: str | None  # the degree set to the world size (unless given)
+    absorbs: str  # the data-parallel dim that takes the ranks left over by given degrees
+    zero_stage: int = 0
+    sp: bool | None = None  # None: the --sp option decides
+    cp_impl: str | None = None  # None: the --cp-impl option decides
+    naive_pipeline: bool = False  # one micro-batch through GPipe: plain model parallelism
+
+
+STRATEGY_TABLE: dict[str, Strategy] = {
+    "single": Strategy(None, "dp_replicate"),
+    "ddp": Strategy("dp_replicate", "dp_replicate"),
+    "zero1": Strategy("dp_replicate", "dp_replicate", zero_stage=1),
+    "zero2": Strategy("dp_shard", "dp_shard", zero_stage=2),
+    "zero3": Strategy("dp_shard", "dp_shard", zero_stage=3),
+    "fsdp": Strategy("dp_shard", "dp_shard", zero_stage=3),
+    "hsdp": Strategy(None, "dp_shard", zero_stage=3),
+    "model": Strategy("pp", "dp_replicate", naive_pipeline=True),
+    "tp": Strategy("tp", "dp_shard", sp=False),
+    "tp-sp": Strategy("tp", "dp_shard", sp=True),
+    "pp": Strategy("pp", "dp_replicate"),
+    "cp-ring": Strategy("cp", "dp_shard", cp_impl="ring"),
+    "cp-ulysses": Strategy("cp", "dp_shard", cp_impl="ulysses"),
+}
+
+
+def strategy_named(name: str) -> Strategy:
+    if name not in STRATEGY_TABLE:
+        raise UserError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_TABLE)}")
+    return STRATEGY_TABLE[name]
+
+
+def resolve_degrees(strategy: str, world_size: int, given: dict[str, int | None]) -> dict[str, int]:
+    """Degrees for a strategy: explicit degrees win; the strategy's dim takes the rest of the world."""
+    row = strategy_named(strategy)
+    degrees = {n: given.get(n) for n in DIM_NAMES}
+    if strategy == "single" and world_size != 1:
+        raise UserError(f"strategy 'single' runs on one device, but {world_size} processes were requested")
+    if strategy == "hsdp" and degrees["dp_replicate"] is None and degrees["dp_shard"] is None:
+        if world_size < 4 or world_size % 2:
+            raise UserError(f"hsdp needs --dp-replicate and --dp-shard, or an even world size >= 4 (got {world_size})")
+        degrees["dp_replicate"] = 2
+    for n, v in degrees.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise UserError(f"degree --{n.replace('_', '-')} must be a positive integer, got {v!r}")
+    fixed = 1
+    for n in DIM_NAMES:
+        fixed *= degrees[n] or 1
+    target = row.pins if row.pins and degrees[row.pins] is None else row.absorbs
+    if degrees[target] is None:
+        if world_size % fixed:
+            raise UserError(f"parallel degrees multiply to {fixed}, which does not divide the world size {world_size}")
+        degrees[target] = world_size // fixed
+    out = {n: degrees[n] or 1 for n in DIM_NAMES}
+    if strategy == "hsdp" and (out["dp_replicate"] < 2 or out["dp_shard"] < 2):
+        raise UserError(f"hsdp needs --dp-replicate >= 2 and --dp-shard >= 2 (got {out['dp_replicate']} x "
+                        f"{out['dp_shard']}); use ddp for replication only or zero3 for sharding only")
+    product = 1
+    for v in out.values():
+        product *= v
+    if product != world_size:
+        shown = " x ".join(f"{n}={v}" for n, v in out.items() if v > 1) or "all 1"
+        raise UserError(f"parallel degrees multiply to {product} ({shown}) but the world size is {world_size}")
+    return out
+
+
+def resolve_microbatches(naive: bool, microbatches: int | None, micro_batch: int | None, local_batch: int,
+                         pp: int) -> int:
+    """Pipeline micro-batches per step for one data-parallel rank.
+
+    --microbatches M cuts the rank's batch (global batch / dp) into M pipeline micro-batches. --micro-batch B
+    gives the same thing by size: M = local batch / B. Given both, they must agree. Neither: M = pp, the
+    fewest that keeps every stage busy in steady state. Naive model parallelism is always one micro-batch.
+    """
+    if naive:
+        if microbatches not in (None, 1):
+            raise UserError(f"strategy 'model' (naive model parallel) runs one micro-batch; --microbatches "
+                            f"{microbatches} needs --strategy pp")
+        if micro_batch is not None and micro_batch != local_batch:
+            raise UserError(f"strategy 'model' runs the rank's whole batch ({local_batch}) as one micro-batch; "
+                            f"--micro-batch {micro_batch} needs --strategy pp")
+        return 1
+    if micro_batch is not None:
+        if local_batch % micro_batch:
+            raise UserError(f"per-rank batch {local_batch} is not divisible by --micro-batch {micro_batch}")
+        from_size = local_batch // micro_batch
+        if microbatches is not None and microbatches != from_size:
+            raise UserError(f"--microbatches {microbatches} and --micro-batch {micro_batch} disagree: the per-rank "
+                            f"batch {local_batch} / {micro_batch} = {from_size} micro-batches")
+        return from_size
+    return microbatches if microbatches is not None else pp
+
+
+def zero_stage_for(row: Strategy, degrees: dict[str, int]) -> int:
+    """What the data-parallel wrapper does, as a ZeRO stage: FSDP2 whenever dp_shard > 1 (ZeRO-2 only when the
+    strategy asks for it, else ZeRO-3), ZeRO-1 or plain DDP over replicas, nothing on one data-parallel rank."""
+    if degrees["dp_shard"] > 1:
+        return 2 if row.zero_stage == 2 else 3
+    if degrees["dp_replicate"] > 1:
+        return 1 if row.zero_stage == 1 else 0
+    return 0
+
+
+def resolve_layout(cfg, world_size: int) -> Layout:
+    """The Layout a run config runs on `world_size` ranks: what train executes and what plan, bench and
+    doctor predict for. Raises UserError naming the first thing that cannot be resolved."""
+    row = strategy_named(cfg.strategy)
+    given = {n: getattr(cfg, n) for n in DIM_NAMES}
+    degrees = resolve_degrees(cfg.strategy, world_size, given)
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if cfg.global_batch % dp:
+        raise UserError(f"global batch {cfg.global_batch} is not divisible by the data-parallel degree {dp}")
+    local = cfg.global_batch // dp
+    pipelined = degrees["pp"] > 1
+    if pipelined:
+        microbatches = resolve_microbatches(row.naive_pipeline, cfg.microbatches, cfg.micro_batch, local,
+                                            degrees["pp"])
+        if local % microbatches:
+            raise UserError(f"per-rank batch {local} (global batch {cfg.global_batch} / dp {dp}) is not divisible "
+                            f"by {microbatches} pipeline micro-batches")
+        micro = local // microbatches
+    else:
+        micro = cfg.micro_batch or local
+        if local % micro:
+            raise UserError(f"per-rank batch {local} (global batch {cfg.global_batch} / dp {dp}) is not divisible "
+                            f"by --micro-batch {micro}")
+        microbatches = local // micro
+    sp = (row.sp if row.sp is not None else cfg.sp) and degrees["tp"] > 1
+    cp_impl = (row.cp_impl or cfg.cp_impl) if degrees["cp"] > 1 else "ring"
+    schedule = ("gpipe" if row.naive_pipeline else cfg.pp_schedule) if pipelined else "1f1b"
+    virtual = cfg.virtual_stages if pipelined else 1
+    hook = cfg.ddp_comm_hook
+    # torch suggests compressing after ~10% of the run; DDP rebuilds its buckets after step 1, so >= 2
+    powersgd_start = max(2, cfg.warmup_steps, cfg.steps // 10) if hook == "powersgd" else 2
+    return Layout(**degrees, zero_stage=zero_stage_for(row, degrees), sp=sp, cp_impl=cp_impl,
+                  pp_schedule=schedule, virtual_stages=virtual, micro_batch=micro, microbatches=microbatches,
+                  ac=cfg.ac, dtype=cfg.dtype, compile=cfg.compile, ddp_comm_hook=hook,
+                  local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start)
+
+
+def fixed_by_strategy(name: str) -> dict:
+    """The layout choices a strategy name pins, for the planner's search (`plan --strategy S`)."""
+    row = strategy_named(name)
+    fixed: dict = {}
+    if row.pins in ("dp_replicate", "dp_shard") or name == "hsdp":
+        fixed["zero_stage"] = row.zero_stage
+    if row.pins == "dp_replicate":
+        fixed["dp_shard"] = 1
+    if row.sp is not None:
+        fixed["sp"] = row.sp
+    if row.cp_impl is not None:
+        fixed["cp_impl"] = row.cp_impl
+    if row.naive_pipeline:
+        fixed.update(pp_schedule="gpipe", virtual_stages=1)
+    return fixed
+
+
+def config_fields(layout: Layout) -> dict:
+    """The run-config fields that make resolve_layout() give back `layout` (the inverse of resolve_layout),
+    for `train --strategy auto` and for plan candidates handed to train."""
+    fields = {"strategy": layout.strategy, "nproc": layout.world, **layout.degrees(), "sp": layout.sp,
+              "micro_batch": layout.micro_batch, "ac": layout.ac, "dtype": layout.dtype, "compile": layout.compile,
+              "global_batch": layout.micro_batch * layout.microbatches * layout.dp}
+    if layout.cp > 1:
+        fields["cp_impl"] = layout.cp_impl
+    if layout.pp > 1:
+        fields.update(pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
+                      microbatches=layout.microbatches)
+    return fields
