@@ -37,7 +37,7 @@ def _opt(default, *names, help: str):  # noqa: A002 - mirrors typer's keyword
 
 TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("config", Optional[Path], _opt(None, "--config", help="TOML run config (default: the embedded tiny-cpu)")),
-    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-124m, llama3-8b, llama2-70b")),
+    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, llama3-8b, llama2-70b")),
     ("strategy", Optional[str], _opt(None, "--strategy", help="single, ddp, zero1, zero2, zero3, fsdp, hsdp, model, "
                                                                 "tp, tp-sp, pp, cp-ring, cp-ulysses, auto")),
     ("nproc", Optional[int], _opt(None, "--nproc", help="processes (devices) on this machine")),

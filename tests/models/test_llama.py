@@ -11,12 +11,12 @@ def test_presets_match_published_shapes():
     assert (l3.dim, l3.ffn_dim, l3.n_layers, l3.n_heads, l3.kv_heads, l3.vocab_size) == (4096, 14336, 32, 32, 8, 128256)
     l2 = PRESETS["llama2-70b"]
     assert (l2.dim, l2.ffn_dim, l2.n_layers, l2.n_heads, l2.kv_heads, l2.vocab_size) == (8192, 28672, 80, 64, 8, 32000)
-    g = PRESETS["gpt2-124m"]
+    g = PRESETS["llama-162m"]
     assert (g.n_layers, g.dim, g.n_heads, g.vocab_size) == (12, 768, 12, 50304)
 
 
 def test_large_presets_build_on_meta_and_count_matches():
-    for name in ("llama3-8b", "llama2-70b", "gpt2-124m", "tiny"):
+    for name in ("llama3-8b", "llama2-70b", "llama-162m", "tiny"):
         model = build_model(PRESETS[name], "meta")
         assert all(p.is_meta for p in model.parameters())
         assert sum(p.numel() for p in model.parameters()) == count_params(PRESETS[name])

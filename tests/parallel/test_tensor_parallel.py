@@ -73,8 +73,14 @@ def test_tp_parity_worker_two_ranks():
     # errors are in units of the tolerance (ATOL + RTOL*|ref|): <= 1 passes
     assert max(user["out"], user["grad"], user["param"]) <= 1.0, user
     assert "query.weight" in user["sharded"] and "down.weight" in user["sharded"]
-    for key in ("tiny-loss-parallel", "tiny-sp-loss-parallel", "gpt2-tiny", "gpt2-tiny-sp"):
+    for key in ("tiny-loss-parallel", "tiny-sp-loss-parallel", "gpt2-tiny", "gpt2-tiny-sp", "gpt2-tiny-loss-parallel",
+                "gpt2-tiny-sp-loss-parallel"):
         assert max(res[key]["loss"], res[key]["grad"]) <= 1.0, (key, res[key])
+        assert res[key]["trainable"] == res[key]["trainable_ref"], key  # GPT-2's key bias stays frozen under TP
+    for key in ("gpt2-tiny", "gpt2-tiny-sp", "gpt2-tiny-loss-parallel", "gpt2-tiny-sp-loss-parallel"):
+        assert res[key]["tied"], key  # the head still *is* the (sharded) token table
+    naive = res["gpt2-tiny-naive-tied"]  # the injected fault (the tie lost under TP) is caught
+    assert not naive["tied"] and naive["grad"] > 100, naive
     assert res["tiny-loss-parallel"]["logits_dtensor"]
     assert max(res["stage"].values()) <= 1.0, res["stage"]  # a middle pipeline stage, whole hidden states in/out
     # Megatron: per layer 4 all-reduces of b*s*h fp32 (fwd+bwd); SP: as many all-gathers and reduce-scatters,

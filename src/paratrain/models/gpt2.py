@@ -1,4 +1,4 @@
-"""A plain GPT-2-style decoder (LayerNorm, GELU MLP, learned positions, optional tied embedding).
+"""A plain GPT-2 decoder (LayerNorm, GELU MLP, learned positions, tied embedding), GPT-2's parameters one to one.
 
 It keeps the conventions of models/llama.py so strategies treat both families alike: blocks sit in a
 ModuleDict `layers` keyed "0".."n-1"; attention is `attention.wq/wk/wv/wo` and goes through
@@ -34,9 +34,11 @@ class GPT2Attention(nn.Module):
         self.head_dim = args.head_dim
         inner = args.n_heads * self.head_dim
         self.wq = nn.Linear(args.dim, inner)
-        # no key bias: it adds q.b_k to every score of a query alike, which softmax cancels, so its gradient
-        # is identically zero (GPT-2 has one; dropping it changes no output)
-        self.wk = nn.Linear(args.dim, inner, bias=False)
+        self.wk = nn.Linear(args.dim, inner)
+        # GPT-2 has a key bias, so it is here (checkpoints map one to one, the count is GPT-2's), but frozen: it
+        # adds q.b_k to every score of a query alike, which softmax cancels, so its true gradient is identically
+        # zero; training it would only feed rounding noise to Adam
+        self.wk.bias.requires_grad_(False)
         self.wv = nn.Linear(args.dim, inner)
         self.wo = nn.Linear(inner, args.dim)
         self.attn_fn = causal_sdpa
@@ -124,7 +126,7 @@ def count_gpt2_params(args: ModelArgs, include_embedding: bool = True) -> int:
     """Parameters of GPT2(args). include_embedding=False drops the token and position tables (lookups);
     the output head always counts, tied or not, since it is a real matmul."""
     d, f = args.dim, args.ffn_dim
-    attn = 4 * d * d + 3 * d  # q, v and output biases; no key bias
+    attn = 4 * d * d + 4 * d  # q, k, v and output biases (the key bias is frozen, see GPT2Attention)
     mlp = 2 * d * f + f + d
     per_layer = attn + mlp + 4 * d
     head = args.vocab_size * d

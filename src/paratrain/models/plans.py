@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from paratrain.errors import UserError
 from paratrain.models.llama import Transformer
-from paratrain.models.tp_styles import ReplicateParallel
+from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, VocabParallelEmbedding
 
 
 def block_plan(sp: bool, attention_extra_args: int = 2, gated_mlp: bool = True) -> dict:
@@ -95,12 +95,14 @@ def llama_tp_plan(model: Transformer, tp: int, sp: bool = False, loss_parallel: 
 def gpt2_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
     """GPT-2: as Llama, but an ungated MLP, no RoPE arguments, and learned positions beside the token table."""
     model.args.check_tp_divides(tp)
-    if model.args.tie_embeddings:
-        raise UserError("tensor parallel does not support tied embeddings (tie_embeddings) yet")
     plan = {f"layers.*.{path}": style for path, style in block_plan(sp, 0, gated_mlp=False).items()}
     plan.update(stage_edge_plan(model, sp, block_extra_args=0))
+    tied = model.tok_embeddings is not None and model.output is not None and \
+        model.output.weight is model.tok_embeddings.tokens.weight
     if model.tok_embeddings is not None:
-        plan["tok_embeddings.tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        # a tied table: vocabulary rows sharded for the lookup and the head alike (one Shard(0) parameter)
+        table = VocabParallelEmbedding if tied else RowwiseParallel
+        plan["tok_embeddings.tokens"] = table(input_layouts=Replicate(), output_layouts=Replicate())
         plan["tok_embeddings.positions"] = ReplicateParallel()
         if sp:
             # tokens + positions is whole on every rank: keeping this rank's slice of the sequence is free
@@ -108,6 +110,11 @@ def gpt2_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: boo
                                                          use_local_output=False)
     if model.output is not None:
         plan.update(head_plan(sp, loss_parallel))
+        if tied:  # after the embedding (dict order is the order parallelize_module applies the plan in)
+            head = plan.pop("output")
+            plan["output"] = TiedColwiseParallel(model.tok_embeddings.tokens, input_layouts=head.input_layouts[0],
+                                                 output_layouts=head.output_layouts[0],
+                                                 use_local_output=head.use_local_output)
     return plan
 
 

@@ -25,11 +25,16 @@ PRESETS: dict[str, ModelArgs] = {
                           max_seq_len=1024),
     "small": ModelArgs(name="small", vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                        max_seq_len=2048),
-    # GPT-2 family (models/gpt2.py), 2 layers: for tests and CPU runs of the LayerNorm/GELU/learned-position path
+    # GPT-2 family (models/gpt2.py), 2 layers, tied like GPT-2: tests and CPU runs of the LayerNorm/GELU path
     "gpt2-tiny": ModelArgs(name="gpt2-tiny", family="gpt2", vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=256,
-                           max_seq_len=1024),
-    "gpt2-124m": ModelArgs(name="gpt2-124m", vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_dim=2048,
-                           max_seq_len=1024),
+                           max_seq_len=1024, tie_embeddings=True),
+    # the real GPT-2 small: 124,439,808 parameters at its vocabulary of 50257, here padded to 50304 (a multiple
+    # of 128, for the matmul kernels): 124,475,904
+    "gpt2-124m": ModelArgs(name="gpt2-124m", family="gpt2", vocab_size=50304, dim=768, n_layers=12, n_heads=12,
+                           ffn_dim=3072, max_seq_len=1024, tie_embeddings=True),
+    # GPT-2 small's shape as a Llama (RMSNorm, RoPE, SwiGLU 2048, untied): what `gpt2-124m` named before
+    "llama-162m": ModelArgs(name="llama-162m", vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                            max_seq_len=1024),
     "llama3-8b": ModelArgs(name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama2-70b": ModelArgs(name="llama2-70b", vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 class ReplicateParallel(ParallelStyle):
@@ -28,3 +29,49 @@ def _inputs_as_replicate(module: nn.Module, inputs: tuple, mesh) -> tuple:
 
 def _output_as_local(module: nn.Module, output, mesh):
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """A token table sharded by vocabulary rows (Shard(0)), looked up Megatron-style on the local rows.
+
+    For a table the output head shares (tied embedding): DTensor's own embedding leaves the table's gradient
+    Replicate (full size) while the head's arrives Shard(0), and autograd's in-place accumulation of a Shard(0)
+    gradient into a Replicate one gives wrong values (torch 2.13). Looking up through `weight.to_local()` makes
+    the gradient come back Shard(0) too, so both land on the one shard. The output is the all-reduced (or, with
+    `output_layouts=Shard(1)`, reduce-scattered) sum of the ranks' masked lookups, handed on as a local tensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        weight = module.weight
+        module.weight = nn.Parameter(distribute_tensor(weight.detach(), device_mesh, [Shard(0)]),
+                                     requires_grad=weight.requires_grad)
+        out_layout = self.output_layouts[0] if isinstance(self.output_layouts, tuple) else self.output_layouts
+
+        def lookup(ids: torch.Tensor) -> torch.Tensor:
+            local = module.weight.to_local()
+            start = device_mesh.get_local_rank() * local.shape[0]
+            shifted = ids - start
+            outside = (shifted < 0) | (shifted >= local.shape[0])
+            rows = F.embedding(shifted.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
+            summed = DTensor.from_local(rows, device_mesh, [Partial()], run_check=False)
+            return summed.redistribute(device_mesh, [out_layout]).to_local()
+
+        module.forward = lookup
+        return module
+
+
+class TiedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for an output head whose weight is the token table: shard it as ColwiseParallel does
+    (Shard(0), the vocabulary rows, the table's own layout), then point it back at the table's sharded
+    parameter, which must already be distributed (the plan lists the embedding first)."""
+
+    def __init__(self, table: nn.Module, **kwargs):
+        super().__init__(**kwargs)
+        self.table = table
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        out = super()._apply(module, device_mesh)
+        if not isinstance(self.table.weight, DTensor):
+            raise RuntimeError("tied head: the token table must be distributed before the head (plan order)")
+        module.weight = self.table.weight
+        return out

@@ -27,6 +27,10 @@ def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_t
         check_tp_with_dp(layout)
     if layout.pp > 1:
         check_pipeline(layout)
+        if getattr(args, "tie_embeddings", False):
+            raise UserError(f"pp={layout.pp} cannot hold {args.name}'s tied embedding: the first stage's token table "
+                            "and the last stage's head would need a gradient all-reduce between stages, which paratrain "
+                            "does not do; use another strategy or an untied model")
     check_dp_options(layout, device_type)
 
 

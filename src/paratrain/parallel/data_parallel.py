@@ -180,14 +180,17 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
         kwargs["mp_policy"] = mp_policy
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, **kwargs)
+    embedding = getattr(model, "tok_embeddings", None)
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    # a tied table (the head's weight is the embedding's) must sit in one group: embedding, norm and head together
+    tied = embedding is not None and shares_parameters(embedding, head)
+    if embedding is not None and not tied:
+        fully_shard(embedding, **kwargs)
     layers = getattr(model, "layers", None)
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or ()):
         fully_shard(block, **kwargs)
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if head:
-        fully_shard(head, **kwargs)
+        fully_shard([embedding, *head] if tied else head, **kwargs)
     fully_shard(model, **kwargs)
     if not reshard_after_forward:
         track_unsharded_params(model, mesh)
@@ -196,6 +199,11 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
     log.info("applied FSDP2 (%s) over mesh %s%s%s", kind, shape,
              ", bf16 params / fp32 reduce" if mp_policy is not None else "", ", CPU offload" if offload else "")
     return model
+
+
+def shares_parameters(module: nn.Module, others: list[nn.Module]) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return any(id(p) in mine for m in others for p in m.parameters())
 
 
 def track_unsharded_params(model: nn.Module, mesh) -> None:

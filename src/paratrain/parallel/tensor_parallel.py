@@ -36,7 +36,11 @@ def apply_tp(model: nn.Module, tp_mesh, sp: bool = False, plan: dict | None = No
         raise UserError(f"tensor parallel needs a plan for {type(model).__name__}: pass "
                         "tp_plan={'module.path': ColwiseParallel(), ...} to paratrain.parallelize")
     check_plan(model, plan, tp)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():  # torch's styles make every parameter they distribute trainable
+        if name in frozen:
+            p.requires_grad_(False)
     settle_grad_layouts(model)
     log.info("tensor parallel: tp=%d%s%s, %d plan entries", tp, ", sequence parallel" if sp else "",
              ", loss parallel" if loss_parallel else "", len(plan))
@@ -51,7 +55,7 @@ def settle_grad_layouts(model: nn.Module) -> None:
     Partial grad would all-reduce it again. FSDP2 replaces these parameters and settles grads itself.
     """
     for p in model.parameters():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and p.requires_grad:
             p.register_post_accumulate_grad_hook(_settle_grad)
 
 
