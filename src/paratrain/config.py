@@ -41,7 +41,10 @@ class TrainConfig(BaseModel):
     strategy: str = "ddp"
     nproc: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"  # fp8: torchao float8 linears, GPUs with FP8 cores
+    tf32: bool = True  # fp32 on CUDA: matmuls in TF32 (MFU against the TF32 peak); False: true fp32
+    cuda_graphs: bool = False  # one GPU: the whole model compiled with CUDA graphs (mode="reduce-overhead")
+    loss_chunks: int = Field(1, ge=1)  # cross-entropy over N token chunks, fp32 logits of one chunk at a time
     ac: Literal["none", "selective", "full"] = "none"
     compile: bool = False
     memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle

@@ -113,18 +113,32 @@ def custom_gpu(peak_tflops: float, mem_gib: float, intra_node_gbs: float, inter_
 
 
 # -- naming the device this process runs on ---------------------------------------------------------------------
-_NAME_HINTS = (("h100", "pcie", "h100-pcie"), ("h100", "", "h100-sxm"), ("h200", "", "h200"),
-               ("a100", "80", "a100-80"), ("a100", "", "a100-40"), ("a6000", "", "a6000"),
-               ("4090", "", "rtx4090"), ("l40s", "", "l40s"), ("l4", "", "l4"))
+# Whole device names as torch.cuda.get_device_name() reports them, normalised (see _normalise): a name must match
+# one of these exactly, so a sibling model never borrows a peak ("NVIDIA L40" is not an L4 nor an L40S, an H100
+# NVL or H800 is not an H100 SXM, an "RTX 6000 Ada" is not an RTX A6000, a 4090 D is not a 4090).
+_DEVICE_NAMES: dict[str, str] = {
+    "h100 80gb hbm3": "h100-sxm", "h100 sxm5 80gb": "h100-sxm", "h100 sxm": "h100-sxm",
+    "h100 pcie": "h100-pcie", "h100 80gb pcie": "h100-pcie",
+    "h200": "h200", "h200 141gb hbm3e": "h200",
+    "a100 sxm4 40gb": "a100-40", "a100 pcie 40gb": "a100-40", "a100 40gb pcie": "a100-40",
+    "a100 sxm4 80gb": "a100-80", "a100 pcie 80gb": "a100-80", "a100 80gb pcie": "a100-80",
+    "rtx a6000": "a6000",
+    "rtx 4090": "rtx4090",
+    "l4": "l4",
+    "l40s": "l40s",
+}
+
+
+def _normalise(device_name: str) -> str:
+    """'NVIDIA A100-SXM4-80GB' -> 'a100 sxm4 80gb'; 'NVIDIA GeForce RTX 4090' -> 'rtx 4090'."""
+    words = device_name.lower().replace("-", " ").replace("_", " ").split()
+    return " ".join(w for w in words if w not in ("nvidia", "geforce", "tesla"))
 
 
 def catalog_name_for(device_name: str) -> str | None:
-    """Map a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') to a catalog key, or None if unknown."""
-    low = device_name.lower()
-    for needle, qualifier, key in _NAME_HINTS:
-        if needle in low and qualifier in low:
-            return key
-    return None
+    """Map a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') to a catalog key by its exact model, or None when
+    the model is not in the catalog (then MFU is unknown rather than measured against another GPU's peak)."""
+    return _DEVICE_NAMES.get(_normalise(device_name))
 
 
 def device_peak_tflops(device_type: str, dtype: str) -> float | None:
@@ -137,4 +151,4 @@ def device_peak_tflops(device_type: str, dtype: str) -> float | None:
     import torch
 
     key = catalog_name_for(torch.cuda.get_device_name())
-    return CATALOG[key].peak(dtype) if key else None
+    return CATALOG[key].peak_tflops.get(dtype) if key else None  # e.g. no fp8 peak for this GPU: unknown

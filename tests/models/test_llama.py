@@ -65,3 +65,13 @@ def test_rope_rotation_preserves_norm_and_relative_angle():
         rk = apply_rope(kv.view(1, 1, 1, 8), *rope_tables(8, torch.tensor([n]), 10000.0))
         return float((rq * rk).sum())
     assert abs(at(5, 2) - at(13, 10)) < 1e-4
+
+
+def test_rope_tables_are_fp32_and_close_to_fp64():
+    """fp32 tables (no fp64 kernels on GPUs); reference: the same angles in fp64, at Llama 3's 8k positions."""
+    positions = torch.arange(8192)
+    cos, sin = rope_tables(128, positions, 500000.0)
+    assert cos.dtype == sin.dtype == torch.float32
+    exponent = torch.arange(0, 128, 2, dtype=torch.float64) / 128
+    angles = positions.double()[:, None] / 500000.0 ** exponent
+    assert (cos.double() - angles.cos()).abs().max() < 1e-3 and (sin.double() - angles.sin()).abs().max() < 1e-3

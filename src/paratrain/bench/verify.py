@@ -108,7 +108,8 @@ def verify_worker(cfg_dict: dict, tol_dict: dict | None = None) -> dict | None:
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.worker import setup_logging
 
-    cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False})
+    # true fp32 on CUDA (no TF32): TF32's ~1e-3 rounding would swamp the fp32 tolerances
+    cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False, "tf32": False})
     setup_logging(int(os.environ.get("RANK", "0")))
     rt = init_runtime(cfg.device, cfg.timeout_s)
     tol = Tolerance(**tol_dict) if tol_dict else Tolerance.for_dtype(cfg.dtype, cfg.lr, cfg.steps)

@@ -60,11 +60,12 @@ def rope_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[t
     """cos/sin of the rotary angles for the given (global) positions: (..., head_dim/2) each.
 
     Computed per forward rather than stored as buffers, so that no strategy has buffers to broadcast,
-    shard or checkpoint.
+    shard or checkpoint. In fp32 (as torchtitan's): fp64 cos/sin are slow kernels on GPUs, compiled or not.
+    An angle's error is about position x 6e-8 rad (5e-4 at 8k positions), below bf16's resolution.
     """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
-    angles = positions.to(torch.float64)[..., None] / (theta ** exponent)
-    return angles.cos().float(), angles.sin().float()
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

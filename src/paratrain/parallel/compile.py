@@ -18,13 +18,21 @@ from paratrain.parallel.activation_checkpoint import ac_mode_of
 log = logging.getLogger("paratrain")
 
 
-def apply_compile(model: nn.Module, fullgraph: bool = True) -> nn.Module:
+def apply_compile(model: nn.Module, fullgraph: bool = True, whole: bool = False, mode: str | None = None) -> nn.Module:
     """Replace every block in `model.layers` by its compiled version (an OptimizedModule); a block under full
     activation checkpointing keeps its checkpoint outside and has the module inside compiled.
+
+    whole=True (one device, no wrapper hooks to keep outside): the whole model is compiled in place
+    (Module.compile, names unchanged), so the embedding, the final norm and the head fuse too; `mode`:
+    torch.compile's mode ("reduce-overhead": CUDA graphs, --cuda-graphs).
 
     Parameter names gain `_orig_mod.`; DCP state dicts and verify strip it, so checkpoints load with or
     without --compile. fullgraph=True: a graph break inside a block is a bug we want to hear about.
     """
+    if whole:
+        model.compile(fullgraph=fullgraph, mode=mode)
+        log.info("compiled the whole model with torch.compile%s", f" (mode={mode})" if mode else "")
+        return model
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise UserError("--compile needs a model whose transformer blocks sit in a ModuleDict `layers`")

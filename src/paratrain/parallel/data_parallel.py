@@ -158,7 +158,7 @@ def fsdp_mesh(layout):
 
 def mixed_precision_policy(dtype: str):
     """bf16 compute with fp32 gradient reduction and fp32 sharded master weights; None for fp32/fp16."""
-    if dtype != "bf16":
+    if dtype not in ("bf16", "fp8"):  # fp8: bf16 parameters around torchao's float8 linears
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

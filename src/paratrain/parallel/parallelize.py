@@ -30,7 +30,9 @@ def parallelize(model: nn.Module, layout: Layout, tp_plan: dict | None = None) -
         from paratrain.parallel.compile import apply_compile
 
         # ring attention's P2P sends cannot be traced: let dynamo compile around them (a graph break)
-        model = apply_compile(model, fullgraph=not (layout.cp_enabled and layout.cp_impl == "ring"))
+        # on one device (no DDP/FSDP hooks to keep outside the compiled code) the whole model, else per block
+        model = apply_compile(model, fullgraph=not (layout.cp_enabled and layout.cp_impl == "ring"),
+                              whole=layout.world == 1)
 
     # FSDP2 (ZeRO-2/3, HSDP) when dp_shard > 1, else DDP (+ comm hook / local SGD) over dp_cp
     from paratrain.parallel.data_parallel import apply_data_parallel

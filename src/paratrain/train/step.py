@@ -8,14 +8,32 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from paratrain.train.data import Batch
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: torchao's float8 linears do their own casts; everything around them runs as under bf16
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """lm_loss taken over `chunks` slices of the tokens, each under a (non-reentrant) checkpoint: the fp32 copy
+    of the logits and its log-softmax exist for one slice at a time, in the forward and again in the backward,
+    never for every token x the whole vocabulary at once. Equal to lm_loss up to fp32 summation order."""
+    flat, target = logits.flatten(0, 1), targets.flatten()
+    total = None
+    for part, part_target in zip(flat.chunk(chunks), target.chunk(chunks)):
+        piece = checkpoint(_ce_sum, part, part_target, use_reentrant=False)
+        total = piece if total is None else total + piece
+    return total / target.numel()
 
 
 def autocast_context(device_type: str, dtype: str, enabled: bool = True):
@@ -37,11 +55,20 @@ class PlainStep:
     """Forward + backward over the micro-batches of one step, for every strategy without a pipeline."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
-                 prepare_batch=None, loss_fn=lm_loss):
+                 prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
-        self.loss_fn = loss_fn  # lm_loss, or its torch.compile'd version under --compile
+        self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
+        self.loss_parallel = loss_parallel  # TP: vocab-sharded logits; loss and backward under loss_parallel()
+        self.mark_graph_steps = mark_graph_steps  # --cuda-graphs: each forward starts a new captured step
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
+
+    def _loss_context(self):
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -59,12 +86,15 @@ class PlainStep:
             inputs, targets, extra = mb.inputs, mb.targets, {}
             if self.prepare_batch is not None:
                 inputs, targets, extra = self.prepare_batch(inputs, targets)
-            with _no_grad_sync(self.model, last):
+            if self.mark_graph_steps:
+                torch.compiler.cudagraph_mark_step_begin()
+            with _no_grad_sync(self.model, last), self._loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
                 loss = self.loss_fn(logits, targets) / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach()
+            loss = loss.detach()
+            total += loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a Replicate DTensor: no comm
         return total
 
 

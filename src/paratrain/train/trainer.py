@@ -26,8 +26,9 @@ from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
+from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.runtime import Runtime
-from paratrain.train.step import PlainStep, clip_grad_norm, lm_loss
+from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
 
 log = logging.getLogger("paratrain")
 LOADER_DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"  # test-only, see test_loader_delay_s()
@@ -55,6 +56,11 @@ class Trainer:
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
         model = build_model(self.args, "cpu", seed=cfg.seed).to(runtime.device)
+        if cfg.dtype == "fp8":  # before parallelize, so FSDP and compile see the float8 linears
+            from paratrain.train.float8 import convert_to_float8
+
+            model = convert_to_float8(model)
+        self.tf32 = enable_tf32(runtime.device_type, cfg.dtype, cfg.tf32)
         self.scaler = torch.amp.GradScaler(runtime.device_type) if cfg.dtype == "fp16" else None
         self.step_runner = self._build_step_runner(model)
         self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
@@ -67,7 +73,11 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
         self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step
-        self.peak_tflops = device_peak_tflops(runtime.device_type, "fp32" if cfg.dtype == "fp32" else "bf16")
+        # the peak of the precision that actually runs (TF32 or true fp32, bf16, fp8); None where not known
+        self.peak_tflops = device_peak_tflops(runtime.device_type, peak_dtype(cfg.dtype, self.tf32))
+        if runtime.device_type == "cuda" and self.peak_tflops is None and runtime.is_main and not quiet:
+            log.info("MFU unknown: %s has no %s peak in paratrain's GPU catalog (none is borrowed from another GPU)",
+                     torch.cuda.get_device_name(runtime.device), peak_dtype(cfg.dtype, self.tf32))
         self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
         self.fingerprint = ckpt.model_fingerprint(self.args.to_dict())
         self.last_checkpoint: Path | None = None
@@ -87,11 +97,23 @@ class Trainer:
             from paratrain.parallel.context_parallel import sequence_sharder
 
             prepare = sequence_sharder(layout)
-        # on one device too: AC and compile live there
-        model = parallelize(model, layout, plan_for(model) if layout.tp_enabled else None)
-        # TP may hand DTensor logits to the loss: keep that one eager
-        loss_fn = compile_loss(lm_loss) if layout.compile and not layout.tp_enabled else lm_loss
-        return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn)
+        graphs = self.cfg.cuda_graphs  # one GPU (train/precision.py): the whole model, captured
+        # on one device too: AC and compile live there. Under TP the built-in plan keeps the logits vocab-sharded
+        # (loss parallel: no all-gather of the logits); the loss then runs under loss_parallel()
+        loss_parallel = layout.tp_enabled
+        model = parallelize(model, layout.replace(compile=False) if graphs else layout,
+                            plan_for(model, loss_parallel=loss_parallel) if layout.tp_enabled else None)
+        if graphs:
+            from paratrain.parallel.compile import apply_compile
+
+            model = apply_compile(model, whole=True, mode="reduce-overhead")
+        loss_fn = lm_loss if self.cfg.loss_chunks == 1 else functools.partial(chunked_lm_loss,
+                                                                               chunks=self.cfg.loss_chunks)
+        # DTensor logits (loss parallel) stay eager: the loss_parallel() context is not traced
+        if (layout.compile or graphs) and not loss_parallel:
+            loss_fn = compile_loss(loss_fn)
+        return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
+                         loss_parallel=loss_parallel, mark_graph_steps=graphs)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg

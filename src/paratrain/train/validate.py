@@ -12,6 +12,7 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.data import make_dataset
 from paratrain.train.memory_snapshot import check_memory_snapshot
+from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type
 
 
@@ -32,6 +33,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
         check_tp_divides(args, cfg.tp)
     layout = resolve_layout(cfg, world_size)
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
+    check_precision(cfg, layout, device_type)
     make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed)
     if cfg.ckpt_every and cfg.ckpt_every > cfg.steps:
         raise UserError(f"--ckpt-every {cfg.ckpt_every} is larger than --steps {cfg.steps}: no checkpoint would be saved")
