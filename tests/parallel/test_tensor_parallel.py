@@ -79,6 +79,9 @@ def test_tp_parity_worker_two_ranks():
         assert res[key]["trainable"] == res[key]["trainable_ref"], key  # GPT-2's key bias stays frozen under TP
     for key in ("gpt2-tiny", "gpt2-tiny-sp", "gpt2-tiny-loss-parallel", "gpt2-tiny-sp-loss-parallel"):
         assert res[key]["tied"], key  # the head still *is* the (sharded) token table
+    trainer = res["trainer_loss_parallel"]  # the trainer's TP step: vocab-sharded logits into the loss
+    assert trainer["loss_parallel"] and trainer["all_gather"] == 0 and trainer["loss"] <= 1.0, trainer
+    assert trainer["all_gather_without"] >= 2 * 16 * 256 * 4 // 2, trainer  # whole logits: gathered (the fault)
     naive = res["gpt2-tiny-naive-tied"]  # the injected fault (the tie lost under TP) is caught
     assert not naive["tied"] and naive["grad"] > 100, naive
     assert res["tiny-loss-parallel"]["logits_dtensor"]

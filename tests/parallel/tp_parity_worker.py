@@ -168,6 +168,32 @@ def per_layer_bytes(dims: Layout, sp: bool) -> dict:
     return {op: counts[1].get(op, 0) - counts[0].get(op, 0) for op in counts[1]}
 
 
+def check_trainer_loss_parallel(dims: Layout) -> dict:
+    """The trainer under tp (tied GPT-2): the logits reach the loss vocab-sharded, never all-gathered, and the
+    loss equals the unsharded model's on the same batch. The fault, for contrast: the same model with a plan
+    whose head hands on whole logits (no loss parallel) all-gathers them."""
+    from paratrain.config import TrainConfig
+    from paratrain.train.runtime import init_runtime
+    from paratrain.train.trainer import Trainer
+
+    rt = init_runtime("cpu", 60.0)
+    cfg = TrainConfig(model="gpt2-tiny", strategy="tp", nproc=TP, device="cpu", steps=2, seq_len=16, global_batch=2,
+                      metrics=False, resume="never")
+    trainer = Trainer(cfg, rt, quiet=True)
+    micro = trainer.source.next_step()
+    with count_collectives() as stats:
+        loss = trainer.train_step(micro)["loss"]
+    ref = build_model(get_preset("gpt2-tiny"), "cpu", seed=0)
+    ref_loss = sum(float(lm_loss(ref(mb.inputs), mb.targets)) for mb in micro) / len(micro)
+    whole = copy.deepcopy(ref)
+    whole = apply_tp(whole, dims.submesh("tp"), plan=tp_plan_for(whole, TP, loss_parallel=False))
+    with count_collectives() as gathered:
+        lm_loss(whole(micro[0].inputs), micro[0].targets).backward()
+    return {"loss_parallel": trainer.step_runner.loss_parallel, "all_gather": stats.bytes_by_op.get("all_gather", 0),
+            "all_gather_without": gathered.bytes_by_op.get("all_gather", 0),
+            "loss": abs(loss - ref_loss) / (ATOL + RTOL * abs(ref_loss))}
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     dims = Layout(tp=TP).with_mesh("cpu")
@@ -176,6 +202,7 @@ def main() -> int:
                            ("gpt2-tiny", True, False), ("gpt2-tiny", False, True), ("gpt2-tiny", True, True)):
         results[f"{preset}{'-sp' if sp else ''}{'-loss-parallel' if lp else ''}"] = check_builtin_plan(dims, preset, sp, lp)
     results["gpt2-tiny-naive-tied"] = check_builtin_plan(dims, "gpt2-tiny", False, False, naive_tied=True)
+    results["trainer_loss_parallel"] = check_trainer_loss_parallel(dims)
     results["stage"] = {"tp": check_pipeline_stage(dims, False), "tp-sp": check_pipeline_stage(dims, True)}
     results["bytes_per_layer"] = {"tp": per_layer_bytes(dims, False), "tp-sp": per_layer_bytes(dims, True)}
     if dist.get_rank() == 0:
