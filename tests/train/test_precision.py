@@ -82,3 +82,27 @@ def test_unknown_gpu_or_dtype_has_no_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40S")
     assert cat.device_peak_tflops("cuda", "bf16") == cat.CATALOG["l40s"].peak_tflops["bf16"]
     assert cat.device_peak_tflops("cuda", "no-such-dtype") is None
+
+
+def test_whole_model_compile_keeps_names_and_cuda_graphs_mark_each_step(monkeypatch):
+    """One device: the whole model is compiled in place (parameter names unchanged, so checkpoints load either
+    way); --cuda-graphs starts a new captured step before every micro-batch's forward."""
+    import torch
+
+    from paratrain.models.presets import build_model, get_preset
+    from paratrain.parallel.compile import apply_compile
+    from paratrain.train.data import Batch
+    from paratrain.train.step import PlainStep
+
+    model = build_model(get_preset("gpt2-tiny"), seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    compiled = apply_compile(model, whole=True, mode="reduce-overhead")
+    assert compiled is model and model._compiled_call_impl is not None
+    assert [n for n, _ in model.named_parameters()] == names
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    eager = build_model(get_preset("gpt2-tiny"), seed=0)
+    step = PlainStep(eager, torch.device("cpu"), "fp32", False, mark_graph_steps=True)
+    tokens = torch.randint(0, 256, (2, 9))
+    step.forward_backward([Batch(tokens[:, :-1], tokens[:, 1:])] * 3)
+    assert len(marks) == 3
