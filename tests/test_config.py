@@ -31,7 +31,7 @@ def test_cli_overrides_win_over_file(tmp_path):
     ("model = 'nope'\n", "unknown model preset"),
     ("strategy = 'magic'\n", "unknown strategy"),
     ("steps = [1\n", "not valid TOML"),
-    ("dtype = 'fp8'\n", "dtype"),
+    ("dtype = 'fp4'\n", "dtype"),
 ])
 def test_bad_config_files(tmp_path, text, match):
     path = tmp_path / "bad.toml"

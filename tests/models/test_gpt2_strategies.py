@@ -17,11 +17,11 @@ from paratrain.errors import UserError
 from paratrain.train.validate import validate_run
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel", "dp_worker.py")
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp", "tp-sp")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "cp-ring")
 
 
 @pytest.mark.timeout(300)
-def test_tied_gpt2_verify_passes_under_dp_and_tp(tmp_path):
+def test_tied_gpt2_verify_passes_under_dp_tp_and_cp(tmp_path):
     spec = {"verify": [{"strategy": s, "model": "gpt2-tiny", "steps": 3} for s in STRATEGIES]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER,

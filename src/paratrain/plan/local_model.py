@@ -87,7 +87,7 @@ def _shrink(module: nn.Module, colwise: bool, tp: int) -> None:
     module.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype))
     bias = getattr(module, "bias", None)
     if bias is not None and colwise:
-        module.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype))
+        module.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype), requires_grad=bias.requires_grad)
 
 
 def _gather_seq(x: torch.Tensor, tp: int, log: CommLog) -> torch.Tensor:
@@ -334,7 +334,12 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
     if tp > 1:
         from paratrain.models.plans import tp_plan_for
 
-        simulate_tp(model, tp_plan_for(model, tp, sp=sp), tp, log)
+        tied = model.output is not None and model.tok_embeddings is not None and \
+            model.output.weight is getattr(model.tok_embeddings, "tokens", model.tok_embeddings).weight
+        # as the trainer runs it: without a pipeline the logits stay vocab-sharded into the loss (loss parallel)
+        simulate_tp(model, tp_plan_for(model, tp, sp=sp, loss_parallel=part == "whole"), tp, log)
+        if tied:  # one shard of the table serves the lookup and the head, as under TiedColwiseParallel
+            model.output.weight = model.tok_embeddings.tokens.weight
     if cp > 1:
         attn = cp_attention(cp_impl)
         for block in model.layers.values():
