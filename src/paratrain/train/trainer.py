@@ -19,6 +19,7 @@ from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.mutations import mutation, skip_shard_update
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import checkpoint as ckpt
@@ -152,6 +153,8 @@ class Trainer:
                 self.scaler.unscale_(opt)
         pp_group = self.layout.submesh("pp").get_group() if self.layout.pp_enabled else None
         norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
+        if mutation("fsdp-skip-update") and self.layout.fsdp:  # TEST-ONLY mutation (b), see parallel/mutations.py
+            skip_shard_update(self.step_runner.model_parts)
         for opt in self.optimizers:
             if self.scaler:
                 self.scaler.step(opt)
