@@ -167,15 +167,16 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to compare"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
-    """Prove a parallel run matches a single-device run (loss, gradients, parameters)."""
+    """Prove a parallel run matches a single-device run, every step and every rank (loss, grad norm,
+    gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
     setup_cli_logging()
     cfg = resolve_config(train_opts, steps=steps)
-    from paratrain.bench.verify import verify_worker
+    from paratrain.bench.verify import check_verifiable, describe_divergence, verify_worker
     from paratrain.train.launch import run_workers
     from paratrain.train.validate import validate_run, world_size_for
 
     world = world_size_for(cfg)
-    validate_run(cfg, world)
+    check_verifiable(cfg, validate_run(cfg, world))
     results = run_workers(verify_worker, (cfg.model_dump(), None), world, 0, cfg.timeout_s)
     if 0 not in results:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
@@ -186,6 +187,9 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
     log.info("verify %s (%s, world %d, %d steps, %s): max loss diff %.2e, max grad rel diff %.2e, "
              "max param diff %.2e", verdict, result["strategy"], result["world_size"], result["steps"],
              result["dtype"], result["max_loss_abs_diff"], result["max_grad_rel_diff"], result["max_param_abs_diff"])
+    where = describe_divergence(result.get("first_divergence"))
+    if where:
+        log.info("verify: %s", where)
     if as_json:
         emit_json(result)
     if not result["passed"]:

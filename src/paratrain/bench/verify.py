@@ -44,9 +44,17 @@ def check_verifiable(cfg, layout) -> None:
                 else "after its warm-up each rank steps on its own gradients")
         raise UserError(f"verify refuses --local-sgd-period {period}: {when}, which cannot match one device step "
                         "for step; its convergence against DDP is tested instead")
-    if not layout.pp_enabled and cfg.microbatches is not None and layout.microbatches == 1:
-        raise UserError("--microbatches 1 runs no gradient accumulation, so verify would not exercise it: "
-                        "give --microbatches 2 or more")
+    if layout.pp_enabled:
+        return
+    local = cfg.global_batch // layout.dp
+    if cfg.microbatches is not None and cfg.microbatches != layout.microbatches:
+        raise UserError(f"--microbatches {cfg.microbatches} does not act without a pipeline: this run takes "
+                        f"{layout.microbatches} micro-batch(es) per step, so verify would not exercise gradient "
+                        f"accumulation; use --micro-batch N (N < {local}, the per-rank batch)")
+    if (cfg.micro_batch is not None or cfg.microbatches is not None) and layout.microbatches == 1:
+        raise UserError(f"this run takes one micro-batch of {layout.micro_batch} per step (the whole per-rank batch, "
+                        f"{cfg.global_batch} / dp {layout.dp}): no gradient accumulation happens, so verify would "
+                        f"not exercise it; give --micro-batch below {local}")
 
 
 class Recorder:
