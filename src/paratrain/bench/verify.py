@@ -254,6 +254,8 @@ def describe_divergence(first: dict | None) -> str | None:
         if top.get("grad_scale") is not None and top["grad_scale"] == top["grad_scale"]:
             param += f", gradient {top['grad_scale']:.3g}x the reference"
         param += ")"
+    if first.get("ranks"):
+        param += f"; diverging on rank(s) {', '.join(str(r) for r in first['ranks'])}"
     missing = f"; missing: {', '.join(first['missing'][:3])}" if first.get("missing") else ""
     return f"first divergence at step {first['step']}: {what}{where}{param}{missing}"
 

@@ -148,11 +148,14 @@ def divergence(step: int, err: dict, ok: dict, tol: Tolerance, order: list[str])
         bad = {path for e, path in err["acts"] if not e <= tol.act_rtol}
         module = next((path for path in order if path in bad), None)
     if differs == "params":
+        entries, bound = err["params"], tol.param_rtol
         worst = [{"name": n, "rank": r, "rel_error": e, "max_abs_diff": mx} for e, n, r, mx in
-                 largest_first(err["params"])[:3]]
+                 largest_first(entries)[:3]]
     else:
+        entries, bound = err["grads"], tol.grad_rtol
         worst = [{"name": n, "rank": r, "rel_error": e, "grad_scale": s} for e, n, r, s in
-                 largest_first(err["grads"])[:3]]
+                 largest_first(entries)[:3]]
+    ranks = sorted({e[2] for e in entries if not e[0] <= bound})
     return {"step": step, "differs": differs, "loss_differs": not ok["loss"], "activations_differ": not ok["activations"],
             "grads_differ": not ok["grads"], "params_differ": not ok["params"], "module": module,
-            "parameters": worst, "missing": err["missing"]}
+            "parameters": worst, "ranks": ranks, "missing": err["missing"]}
