@@ -16,10 +16,10 @@ import sys
 import torch.distributed as dist
 
 from paratrain.bench.verify_compare import (
-    FLOOR_MULTIPLE,
     Tolerance,
     compare_step,
     divergence,
+    floor_multiple,
     judge,
     nanmax,
 )
@@ -144,7 +144,8 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
     from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.trainer import Trainer
 
-    check_verifiable(cfg, resolve_layout(cfg, rt.world_size))
+    layout = resolve_layout(cfg, rt.world_size)
+    check_verifiable(cfg, layout)
     reference, floor = None, None
     fingerprints = not cfg.compile  # hooks inside compiled regions are not safe
     if rt.is_main:
@@ -153,7 +154,7 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
         if cfg.dtype != "fp32":
             reference = reference_run(cfg, rt, cfg.dtype, fingerprints)
             floor = noise_floor(reference, exact)
-            tol = tol or Tolerance.from_floor(floor)
+            tol = tol or Tolerance.from_floor(floor, floor_multiple(layout))
         tol = tol or Tolerance.for_dtype(cfg.dtype)
     trainer = Trainer(cfg, rt, quiet=True)
     tp_rank = trainer.layout.coords(rt.rank)["tp"] if trainer.distributed else 0
@@ -226,7 +227,7 @@ class Report:
         return {"strategy": self.cfg.strategy, "dims": layout.degrees(), "world_size": layout.world,
                 "steps": self.cfg.steps, "dtype": self.cfg.dtype, "model": self.cfg.model,
                 "tolerance": self.tol.to_dict(), "noise_floor": self.floor,
-                "floor_multiple": FLOOR_MULTIPLE if self.floor is not None else None,
+                "floor_multiple": floor_multiple(layout) if self.floor is not None else None,
                 "max_loss_abs_diff": m["loss_abs"], "max_loss_rel_diff": m["loss_rel"],
                 "max_grad_norm_rel_diff": m["grad_norm_rel"], "max_grad_rel_diff": m["grad_rel"],
                 "max_param_rel_diff": m["param_rel"], "max_param_abs_diff": m["param_abs"],
