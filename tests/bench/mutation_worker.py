@@ -27,7 +27,7 @@ RUNS = {
     "sp-norm-grad-no-reduce": {"strategy": "tp-sp"},
 }
 KEEP = ("passed", "checks", "first_divergence", "tolerance", "margins", "noise_floor", "floor_multiple", "dims",
-        "max_loss_abs_diff", "max_grad_rel_diff", "max_grad_norm_rel_diff", "max_param_rel_diff",
+        "max_loss_abs_diff", "max_loss_rel_diff", "max_grad_rel_diff", "max_grad_norm_rel_diff", "max_param_rel_diff",
         "max_act_rel_diff", "max_param_abs_diff")
 
 

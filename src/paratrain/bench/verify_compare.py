@@ -151,10 +151,11 @@ def judge(err: dict, ref: dict, tol: Tolerance) -> dict:
 def divergence(step: int, err: dict, ok: dict, tol: Tolerance, order: list[str]) -> dict:
     """Where step `step` diverges first: what differs, the first module, the parameters by largest error."""
     differs = next(k for k in ("loss", "activations", "grads", "params") if not ok[k])
-    module = None
+    module, module_error = None, None
     if err["acts"] is not None:
-        bad = {path for e, path in err["acts"] if not e <= tol.act_rtol}
+        bad = {path: e for e, path in err["acts"] if not e <= tol.act_rtol}
         module = next((path for path in order if path in bad), None)
+        module_error = bad.get(module)
     if differs == "params":
         entries, bound = err["params"], tol.param_rtol
         worst = [{"name": n, "rank": r, "rel_error": e, "max_abs_diff": mx} for e, n, r, mx in
@@ -166,4 +167,5 @@ def divergence(step: int, err: dict, ok: dict, tol: Tolerance, order: list[str])
     ranks = sorted({e[2] for e in entries if not e[0] <= bound})
     return {"step": step, "differs": differs, "loss_differs": not ok["loss"], "activations_differ": not ok["activations"],
             "grads_differ": not ok["grads"], "params_differ": not ok["params"], "module": module,
+            "module_rel_error": module_error,
             "parameters": worst, "ranks": ranks, "missing": err["missing"]}
