@@ -26,7 +26,7 @@ from paratrain.bench.verify_compare import (
 from paratrain.bench.verify_probe import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
 from paratrain.errors import UserError
 
-_REFERENCES: dict[str, list[dict]] = {}  # reference runs by config, so one process group can verify many layouts
+_REFERENCES: dict[str, dict] = {}  # reference runs by config, so one process group can verify many layouts
 
 
 def check_verifiable(cfg, layout) -> None:
