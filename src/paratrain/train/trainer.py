@@ -23,6 +23,7 @@ from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
@@ -54,16 +55,24 @@ class Trainer:
 
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
-        model = build_model(self.args, "cpu", seed=cfg.seed).to(runtime.device)
+        model = build_model(self.args, "cpu", seed=cfg.seed)
+        if cfg.init_from:  # into the full model, before any strategy shards it
+            from paratrain.interop.hf_import import load_hf_weights
+
+            load_hf_weights(model, cfg.init_from, self.args)
+        model = model.to(runtime.device)
         self.scaler = torch.amp.GradScaler(runtime.device_type) if cfg.dtype == "fp16" else None
         self.step_runner = self._build_step_runner(model)
         self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
         self.optimizers = self._build_optimizers()
 
-        dataset = make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed)
+        dataset = make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
         self.floor = dataset.entropy_floor()
+        self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
         dp_rank = self.layout.dp_rank(runtime.rank) if self.distributed else 0
         self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, self.layout.micro_batch)
+        self.validator = build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, self.layout.micro_batch)
+        self.last_val: dict = {}
         self.step = 0
         self.tokens_per_step = cfg.global_batch * cfg.seq_len
         self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step
@@ -195,6 +204,8 @@ class Trainer:
             log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.args.name,
                      f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
+        if main and not self.quiet and self.data_tokens is not None:
+            self.log_data()
         prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s())
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
@@ -218,6 +229,10 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                           "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
                           "mem_peak_gib": self.memory_gib()}
+                if self.validator and (self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0)):
+                    val = evaluate(self)
+                    self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
+                    record.update(self.last_val)
                 history.append(record)
                 if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                     steplog.log(record)
@@ -240,7 +255,20 @@ class Trainer:
                 "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
-                "losses": [r["loss"] for r in history]}
+                "losses": [r["loss"] for r in history], **self.last_val, **self.data_summary()}
+
+    def data_summary(self) -> dict:
+        if self.data_tokens is None:
+            return {}
+        return {"data_tokens": self.data_tokens, "epochs": self.step * self.tokens_per_step / self.data_tokens}
+
+    def log_data(self) -> None:
+        """One line: how big the data file is against the run (tokens, documents, steps per epoch)."""
+        docs = self.source.dataset.meta.get("documents") if getattr(self.source.dataset, "meta", None) else None
+        per_epoch = self.data_tokens / self.tokens_per_step
+        log.info("data %s: %s tokens%s; one epoch = %.1f steps of %s tokens (this run: %.2f epochs)",
+                 self.cfg.data, f"{self.data_tokens:,}", f", {docs:,} documents" if docs else "", per_epoch,
+                 f"{self.tokens_per_step:,}", self.cfg.steps / per_epoch)
 
     def out_of_memory(self) -> UserError:
         """Dump the allocator state, then name the snapshot and the planner's fix in one line."""
