@@ -76,6 +76,7 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("val_fraction", Optional[float], _opt(None, "--val-fraction", help="hold out this tail fraction of --data")),
     ("eval_every", Optional[int], _opt(None, "--eval-every", help="validate every N steps (and after the last)")),
     ("val_batches", Optional[int], _opt(None, "--val-batches", help="global batches per validation (default 4)")),
+    ("vocab_size", Optional[int], _opt(None, "--vocab-size", help="override the preset's vocabulary (fit a tokenizer)")),
     ("init_from", Optional[str], _opt(None, "--init-from", help="start from a Hugging Face directory's weights")),
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),

@@ -61,8 +61,21 @@ def pick_eot(tok, eot: str | None) -> int | None:
     return None
 
 
+def _cut(text: str) -> int:
+    """Where to end a chunk: just before a line break that follows a non-space character (0: nowhere).
+
+    Byte-level BPE pre-tokenizers (GPT-2's regex) never join a non-space character with the whitespace after
+    it, and a whitespace run is split the same way wherever it starts after one; so there the chunks encode
+    exactly as the whole text does. (A cut right after the line break would not: "\\n\\n" at the end of a chunk
+    is one pre-token, inside the text it is two.)"""
+    i = text.rfind("\n")
+    while i > 0 and text[i - 1].isspace():
+        i = text.rfind("\n", 0, i - 1)
+    return max(i, 0)
+
+
 def read_chunks(path: Path, chunk_chars: int):
-    """The file's text in pieces of about chunk_chars characters, each ending at a line end (or EOF)."""
+    """The file's text in pieces of about chunk_chars characters, cut as _cut() says (or at EOF)."""
     try:
         with path.open(encoding="utf-8", errors="replace", newline="") as f:
             carry = ""
@@ -73,7 +86,7 @@ def read_chunks(path: Path, chunk_chars: int):
                         yield carry
                     return
                 text = carry + block
-                cut = text.rfind("\n") + 1
+                cut = _cut(text)
                 if cut == 0:
                     carry = text
                     continue
