@@ -118,6 +118,8 @@ def setup_cli_logging() -> None:
 @app.command()
 @with_train_options
 def train(print_config: bool = typer.Option(False, "--print-config", help="print the resolved config as TOML"),
+          script: Optional[str] = typer.Option(None, "--script", help="train your own nn.Module: FILE.py:FUNCTION "
+                                                                      "(docs/api.md)"),
           as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
           train_opts: dict = None):
     """Train a model on N devices with any strategy."""
@@ -135,7 +137,12 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 
         cfg = resolve_auto_strategy(cfg)
     world = world_size_for(cfg)
-    validate_run(cfg, world)
+    if script:
+        from paratrain.train.custom import check_custom_run, load_script
+
+        check_custom_run(cfg, world, load_script(script))
+    else:
+        validate_run(cfg, world)
     from paratrain.train.launch import launched_run_name
 
     name = launched_run_name(cfg.strategy) or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}"
@@ -147,7 +154,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     try:
-        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False), world, cfg.max_restarts,
+        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script), world, cfg.max_restarts,
                               cfg.timeout_s)
     except UserError:
         if created:

@@ -222,6 +222,8 @@ class BatchSource:
 
     def rank_batch(self, step: int) -> Batch:
         first = step * self.global_batch + self.dp_rank * self.local
+        if hasattr(self.dataset, "batch"):  # a custom model's data function (train/custom.py)
+            return self.dataset.batch(np.arange(first, first + self.local, dtype=np.int64))
         tokens = torch.from_numpy(self.dataset.samples(np.arange(first, first + self.local, dtype=np.int64)))
         return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
