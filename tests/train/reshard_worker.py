@@ -40,6 +40,16 @@ def next_loss(rt, root: Path, saved_at: str, resume_at: str) -> float:
     return loss
 
 
+def fresh_loss(rt, root: Path, layout: str) -> float:
+    """Fault injected: the same step 3 at the new layout without loading the checkpoint (fresh weights)."""
+    trainer = trainer_for(rt, config(rt, root, layout, "never"))
+    trainer.source.step = 2
+    loss = trainer.train_step(trainer.source.next_step())["loss"]
+    del trainer
+    gc.collect()
+    return loss
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     rt = init_runtime("cpu", 60.0)
@@ -52,7 +62,8 @@ def main() -> None:
         del trainer
         gc.collect()
     for a, b in PAIRS:
-        out[f"{a}->{b}"] = {"original": next_loss(rt, root, a, a), "resharded": next_loss(rt, root, a, b)}
+        out[f"{a}->{b}"] = {"original": next_loss(rt, root, a, a), "resharded": next_loss(rt, root, a, b),
+                            "not_loaded": fresh_loss(rt, root, b)}
     if rt.is_main:
         print(json.dumps(out), flush=True)
     shutdown()

@@ -30,3 +30,5 @@ def resumed(tmp_path_factory):
 def test_resharded_resume_matches_the_original_layout(resumed, pair):
     got = resumed[pair]
     assert got["resharded"] == pytest.approx(got["original"], rel=1e-5)
+    # the comparison can fail: skipping the load (fresh weights, same batch) is far off
+    assert abs(got["not_loaded"] - got["original"]) > 1e-3 * abs(got["original"])
