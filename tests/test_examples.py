@@ -57,6 +57,6 @@ def test_custom_model_with_a_tp_plan_matches_single(cli, tmp_path):
     (["--script", EXAMPLE + ":build", "--strategy", "pp", "--nproc", "2"], "pipeline parallelism (pp) needs"),
     (["--script", EXAMPLE + ":build", "--strategy", "tp", "--nproc", "2"], "needs a TP plan"),
 ])
-def test_bad_scripts_are_one_line_errors(cli, args, needle):
-    res = cli("train", "--steps", "1", *args)
+def test_bad_scripts_are_one_line_errors(cli_inproc, args, needle):
+    res = cli_inproc("train", "--steps", "1", *args)
     assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

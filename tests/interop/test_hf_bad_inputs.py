@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import REPO, cli_env
 from paratrain.train.export import export_checkpoint
 
 
@@ -27,53 +25,51 @@ def one_line_error(res) -> str:
     return lines[0]
 
 
-def test_export_of_a_directory_that_is_not_a_checkpoint(cli, tmp_path):
+def test_export_of_a_directory_that_is_not_a_checkpoint(cli_inproc, tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("hello")
-    line = one_line_error(cli("export", "junk", "-o", "out"))
+    line = one_line_error(cli_inproc("export", "junk", "-o", "out"))
     assert "junk is not a paratrain checkpoint" in line
     assert not (tmp_path / "out").exists()
 
 
-def test_init_from_a_file_with_a_missing_tensor(cli, tmp_path, exported):
+def test_init_from_a_file_with_a_missing_tensor(cli_inproc, tmp_path, exported):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text((exported / "hf" / "config.json").read_text())
     tensors = load_file(str(exported / "hf" / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(hf / "model.safetensors"))
-    line = one_line_error(cli("train", "--strategy", "single", "--steps", "1", "--init-from", str(hf)))
+    line = one_line_error(cli_inproc("train", "--strategy", "single", "--steps", "1", "--init-from", str(hf)))
     assert "model.safetensors" in line and "model.layers.1.mlp.up_proj.weight is missing" in line
 
 
-def test_init_from_a_misshaped_tensor(cli, tmp_path, exported):
+def test_init_from_a_misshaped_tensor(cli_inproc, tmp_path, exported):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text((exported / "hf" / "config.json").read_text())
     tensors = load_file(str(exported / "hf" / "model.safetensors"))
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
     save_file(tensors, str(hf / "model.safetensors"))
-    line = one_line_error(cli("train", "--strategy", "single", "--steps", "1", "--init-from", str(hf)))
+    line = one_line_error(cli_inproc("train", "--strategy", "single", "--steps", "1", "--init-from", str(hf)))
     assert "model.safetensors: tensor model.layers.0.self_attn.k_proj.weight has shape [64, 64], expected [32, 64]" in line
 
 
-def test_init_from_a_config_for_another_model(cli, exported):
-    line = one_line_error(cli("train", "--model", "tiny4", "--strategy", "single", "--steps", "1", "--init-from",
+def test_init_from_a_config_for_another_model(cli_inproc, exported):
+    line = one_line_error(cli_inproc("train", "--model", "tiny4", "--strategy", "single", "--steps", "1", "--init-from",
                               str(exported / "hf")))
     assert "config.json has n_layers 2, but model tiny4 has 4" in line
 
 
-def test_init_from_a_directory_without_weights(cli, tmp_path):
+def test_init_from_a_directory_without_weights(cli_inproc, tmp_path):
     (tmp_path / "empty").mkdir()
-    line = one_line_error(cli("train", "--strategy", "single", "--steps", "1", "--init-from", "empty"))
+    line = one_line_error(cli_inproc("train", "--strategy", "single", "--steps", "1", "--init-from", "empty"))
     assert "empty holds neither model.safetensors nor model.safetensors.index.json" in line
 
 
-def test_missing_extra_is_named(tmp_path, tiny_checkpoint):
-    code = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = None; "
-            "from paratrain.cli import main; main(sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-c", code, "export", str(tiny_checkpoint), "-o", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == ("error: paratrain export needs the optional 'hf' extra (safetensors is not "
-                                   "installed): pip install 'paratrain[hf]'")
+def test_missing_extra_is_named(cli_inproc, monkeypatch, tiny_checkpoint):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed: importing it raises
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    line = one_line_error(cli_inproc("export", str(tiny_checkpoint), "-o", "o"))
+    assert line == "error: paratrain export needs the optional 'hf' extra (safetensors is not installed): " \
+                   "pip install 'paratrain[hf]'"

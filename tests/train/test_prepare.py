@@ -74,10 +74,10 @@ def test_prepare_then_train_end_to_end(cli, tmp_path, corpus):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
 
 
-def test_tokenizer_vocab_larger_than_the_model_is_refused(cli, tmp_path, corpus):
+def test_tokenizer_vocab_larger_than_the_model_is_refused(cli_inproc, tmp_path, corpus):
     make_tokenizer(tmp_path / "tok", 300)
-    assert cli("data", "prepare", "--tokenizer", "tok", corpus[0].name, "-o", "tokens.bin").returncode == 0
-    res = cli("train", "--data", "tokens.bin", "--model", "tiny", "--strategy", "single", "--steps", "1")
+    assert cli_inproc("data", "prepare", "--tokenizer", "tok", corpus[0].name, "-o", "tokens.bin").returncode == 0
+    res = cli_inproc("train", "--data", "tokens.bin", "--model", "tiny", "--strategy", "single", "--steps", "1")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "tokens.bin.json" in lines[0] and "300" in lines[0] and "256" in lines[0], res.stderr

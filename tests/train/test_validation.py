@@ -79,7 +79,7 @@ def test_cli_reports_val_loss_every_n_steps(cli, tmp_path):
     (["--data", "t.bin", "--eval-every", "2"], "--eval-every needs --val-data or --val-fraction"),
     (["--data", "t.bin", "--val-fraction", "0.001"], "held-out"),
 ])
-def test_bad_validation_options(cli, tmp_path, args, needle):
+def test_bad_validation_options(cli_inproc, tmp_path, args, needle):
     write_bin(tmp_path / "t.bin", 40_000)
-    res = cli("train", "--strategy", "single", "--steps", "2", "--global-batch", "8", "--seq-len", "32", *args)
+    res = cli_inproc("train", "--strategy", "single", "--steps", "2", "--global-batch", "8", "--seq-len", "32", *args)
     assert res.returncode == 2 and needle in res.stderr, res.stderr
