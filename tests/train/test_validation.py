@@ -60,6 +60,15 @@ def test_val_fraction_holds_out_the_tail_and_never_trains_on_it(tmp_path):
     assert val.num_windows() == (1_000 - 1) // 32
 
 
+def test_val_data_file_is_read_in_order_from_its_start(tmp_path):
+    from paratrain.train.data import make_val_dataset
+
+    write_bin(tmp_path / "v.bin", 1_000)
+    val = make_val_dataset("synthetic", str(tmp_path / "v.bin"), 0.0, 0, 256, 32, 0)
+    tokens = np.fromfile(tmp_path / "v.bin", dtype=np.uint16)
+    assert val.samples(np.arange(3)).tolist() == [tokens[i * 32:i * 32 + 33].tolist() for i in range(3)]
+
+
 @pytest.mark.timeout(200)
 def test_cli_reports_val_loss_every_n_steps(cli, tmp_path):
     write_bin(tmp_path / "t.bin", 40_000)
@@ -78,6 +87,9 @@ def test_cli_reports_val_loss_every_n_steps(cli, tmp_path):
     (["--val-fraction", "0.9"], "val_fraction"),
     (["--data", "t.bin", "--eval-every", "2"], "--eval-every needs --val-data or --val-fraction"),
     (["--data", "t.bin", "--val-fraction", "0.001"], "held-out"),
+    (["--data", "t.bin", "--val-fraction", "0.1", "--val-data", "t.bin"], "give --val-data or --val-fraction, not both"),
+    (["--val-fraction", "0.1"], "synthetic data validates on held-out sequences"),
+    (["--data", "t.bin", "--val-data", "nope.bin"], "data file not found: nope.bin"),
 ])
 def test_bad_validation_options(cli_inproc, tmp_path, args, needle):
     write_bin(tmp_path / "t.bin", 40_000)
