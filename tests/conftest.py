@@ -17,3 +17,20 @@ def cli(tmp_path):
         return run_cli(*args, timeout=timeout, cwd=str(tmp_path), env=env)
 
     return _run
+
+
+@pytest.fixture
+def cli_inproc(tmp_path, monkeypatch, capsys):
+    """paratrain's main() in this process, cwd = tmp_path: no interpreter start, so fast. Only for inputs
+    refused before any worker starts (a valid `train` would run here)."""
+    from paratrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def _run(*args: str) -> CLIResult:
+        with pytest.raises(SystemExit) as exc:
+            main(list(args))
+        out = capsys.readouterr()
+        return CLIResult(exc.value.code, out.out, out.err)
+
+    return _run

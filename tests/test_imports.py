@@ -9,8 +9,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
-LAYERS = [{"errors", "gpu_catalog"}, {"models"}, {"parallel"}, {"config"}, {"train"}, {"plan"}, {"calibrate"},
-          {"bench", "doctor", "launchers"}, {"cli", "env_report", "__init__"}]
+LAYERS = [{"errors", "gpu_catalog"}, {"models"}, {"interop"}, {"parallel"}, {"config"}, {"train"}, {"plan"}, {"calibrate"},
+          {"bench", "doctor", "launchers"}, {"cli", "env_report", "api", "__init__"}]
 
 
 def module_graph() -> dict[str, set[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "parallelize", "Layout"]
+__all__ = ["__version__", "parallelize", "Layout", "fit"]
 
 
 def __getattr__(name: str):
@@ -17,4 +17,8 @@ def __getattr__(name: str):
         from paratrain.parallel.layout import Layout
 
         return Layout
+    if name == "fit":
+        from paratrain.api import fit
+
+        return fit
     raise AttributeError(name)

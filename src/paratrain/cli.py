@@ -76,6 +76,12 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("out", Optional[str], _opt(None, "--out", help="run directory (default runs/TIME-STRATEGY)")),
     ("seed", Optional[int], _opt(None, "--seed", help="seed for weights and data")),
     ("data", Optional[str], _opt(None, "--data", help="synthetic | PATH (.bin tokens or a text file)")),
+    ("val_data", Optional[str], _opt(None, "--val-data", help="held-out file for validation (docs/data.md)")),
+    ("val_fraction", Optional[float], _opt(None, "--val-fraction", help="hold out this tail fraction of --data")),
+    ("eval_every", Optional[int], _opt(None, "--eval-every", help="validate every N steps (and after the last)")),
+    ("val_batches", Optional[int], _opt(None, "--val-batches", help="global batches per validation (default 4)")),
+    ("vocab_size", Optional[int], _opt(None, "--vocab-size", help="override the preset's vocabulary (fit a tokenizer)")),
+    ("init_from", Optional[str], _opt(None, "--init-from", help="start from a Hugging Face directory's weights")),
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),
     ("metrics", Optional[bool], _opt(None, "--metrics/--no-metrics", help="write RUNDIR/metrics.jsonl")),
@@ -116,6 +122,8 @@ def setup_cli_logging() -> None:
 @app.command()
 @with_train_options
 def train(print_config: bool = typer.Option(False, "--print-config", help="print the resolved config as TOML"),
+          script: Optional[str] = typer.Option(None, "--script", help="train your own nn.Module: FILE.py:FUNCTION "
+                                                                      "(docs/api.md)"),
           as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
           train_opts: dict = None):
     """Train a model on N devices with any strategy."""
@@ -133,7 +141,12 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 
         cfg = resolve_auto_strategy(cfg)
     world = world_size_for(cfg)
-    validate_run(cfg, world)
+    if script:
+        from paratrain.train.custom import check_custom_run, load_script
+
+        check_custom_run(cfg, world, load_script(script))
+    else:
+        validate_run(cfg, world)
     from paratrain.train.launch import launched_run_name
 
     name = launched_run_name(cfg.strategy) or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}"
@@ -145,7 +158,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     try:
-        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False), world, cfg.max_restarts,
+        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script), world, cfg.max_restarts,
                               cfg.timeout_s)
     except UserError:
         if created:
@@ -159,6 +172,8 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     floor = summary.get("loss_floor")
     vs = f" against a floor of {floor:.4f}" if floor is not None else ""
     mfu = f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else ", MFU n/a (no known peak for this device)"
+    if summary.get("val_loss") is not None:
+        vs += f", val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f})"
     log.info("done: %d steps, loss %.4f%s, %.0f tokens/s%s; run dir %s", summary["steps"], summary["final_loss"], vs,
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
@@ -171,15 +186,16 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to compare"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
-    """Prove a parallel run matches a single-device run (loss, gradients, parameters)."""
+    """Prove a parallel run matches a single-device run, every step and every rank (loss, grad norm,
+    gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
     setup_cli_logging()
     cfg = resolve_config(train_opts, steps=steps)
-    from paratrain.bench.verify import verify_worker
+    from paratrain.bench.verify import check_verifiable, describe_divergence, verify_worker
     from paratrain.train.launch import run_workers
     from paratrain.train.validate import validate_run, world_size_for
 
     world = world_size_for(cfg)
-    validate_run(cfg, world)
+    check_verifiable(cfg, validate_run(cfg, world))
     results = run_workers(verify_worker, (cfg.model_dump(), None), world, 0, cfg.timeout_s)
     if 0 not in results:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
@@ -190,10 +206,54 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
     log.info("verify %s (%s, world %d, %d steps, %s): max loss diff %.2e, max grad rel diff %.2e, "
              "max param diff %.2e", verdict, result["strategy"], result["world_size"], result["steps"],
              result["dtype"], result["max_loss_abs_diff"], result["max_grad_rel_diff"], result["max_param_abs_diff"])
+    where = describe_divergence(result.get("first_divergence"))
+    if where:
+        log.info("verify: %s", where)
     if as_json:
         emit_json(result)
     if not result["passed"]:
         raise typer.Exit(1)
+
+
+# -- export / data prepare -----------------------------------------------------------------------------------------
+@app.command()
+def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory, or a --ckpt-dir (newest complete)"),
+           out: Path = typer.Option(..., "-o", "--out", help="the Hugging Face directory to write"),
+           max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="largest safetensors file, e.g. 500MB"),
+           dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
+           as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
+    """Write a checkpoint as a Hugging Face directory (config.json + safetensors) that transformers loads."""
+    setup_cli_logging()
+    from paratrain.train.export import DTYPES, export_checkpoint, parse_size
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    doc = export_checkpoint(ckpt, out, parse_size(max_shard_size), dtype)
+    log.info("exported %s (step %d) to %s: %s, %d tensor(s) in %d shard(s), %.1f MB", doc["checkpoint"], doc["step"],
+             doc["out"], doc["architecture"], doc["tensors"], doc["shards"], doc["bytes"] / 1e6)
+    if as_json:
+        emit_json(doc)
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Prepare training data: tokenize text into a token file.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(files: list[Path] = typer.Argument(..., help="text files; each one is a document"),
+                 tokenizer: Path = typer.Option(..., "--tokenizer", help="a tokenizer.json or its directory"),
+                 out: Path = typer.Option(..., "-o", "--out", help="the token file to write (tokens.bin)"),
+                 eot: Optional[str] = typer.Option(None, "--eot", help="end-of-text token after each document"),
+                 as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
+    """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
+    setup_cli_logging()
+    from paratrain.train.prepare import prepare_tokens, sidecar_path
+
+    meta = prepare_tokens(tokenizer, files, out, eot)
+    log.info("wrote %s: %s tokens (%s), %d document(s), vocab %d; sidecar %s", out, f"{meta['tokens']:,}",
+             meta["dtype"], meta["documents"], meta["vocab_size"], sidecar_path(out))
+    if as_json:
+        emit_json(meta)
 
 
 # -- env -----------------------------------------------------------------------------------------------------------

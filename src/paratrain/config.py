@@ -36,6 +36,12 @@ class TrainConfig(BaseModel):
     micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
     steps: int = Field(200, ge=1)
     seed: int = Field(0, ge=0)
+    # validation (docs/data.md): a held-out file or the tail of the training file, every N steps
+    val_data: str | None = None
+    val_fraction: float = Field(0.0, ge=0, lt=0.5)
+    eval_every: int = Field(0, ge=0)
+    val_batches: int = Field(4, ge=1)
+    init_from: str | None = None  # a Hugging Face directory to start from (docs/checkpoint.md)
 
     # where and how
     strategy: str = "ddp"

@@ -1,6 +1,20 @@
-"""verify: DDP on 2 processes against the single-device reference (fp32, loss rtol 1e-5)."""
+"""verify: the CLI contract on DDP (2 processes against the single-device reference, fp32), the comparisons'
+ability to fail (a perturbed replica, NaN), tolerances from a measured floor, and refusals of options that would
+not act within the verified steps. The planted-bug tests are in test_verify_mutations.py."""
+
+from __future__ import annotations
+
+import math
 
 import pytest
+import torch
+
+from paratrain.bench.verify import check_verifiable, describe_divergence
+from paratrain.bench.verify_compare import Tolerance, compare_step, divergence, judge, nanmax
+from paratrain.config import TrainConfig
+from paratrain.errors import UserError
+from paratrain.parallel.mutations import MUTATION_ENV, mutation
+from paratrain.parallel.strategies import resolve_layout
 
 CONTRACT = {"strategy", "dims", "world_size", "steps", "dtype", "tolerance", "max_loss_abs_diff", "max_grad_rel_diff",
             "max_param_abs_diff", "passed", "per_step"}
@@ -14,19 +28,112 @@ def test_verify_ddp_two_ranks_passes(cli):
     assert CONTRACT <= set(report)
     assert set(report["tolerance"]) >= {"loss_atol", "loss_rtol", "param_atol", "param_rtol"}
     assert report["passed"] is True and report["world_size"] == 2 and report["dims"]["dp_replicate"] == 2
+    assert report["first_divergence"] is None and report["compared"]["ranks"] == 2
+    assert report["compared"]["grads"] == "before clipping" and report["compared"]["activations"] is True
+    assert len(report["per_step"]) == 5
     for row in report["per_step"]:
         assert abs(row["loss"] - row["loss_ref"]) <= 1e-5 * abs(row["loss_ref"])
-    assert len(report["per_step"]) == 5
+        assert row["grad_norm"] == pytest.approx(row["grad_norm_ref"], rel=1e-5) and row["passed"]
 
 
-def test_verify_detects_a_real_mismatch():
-    """The comparison itself must be able to fail: perturb one tensor and check it is caught."""
-    import torch
+@pytest.mark.timeout(240)
+def test_verify_cli_fails_with_exit_1_and_says_where(cli):
+    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--steps", "2", "--json",
+              env={MUTATION_ENV: "dp-grad-sum"})
+    assert res.returncode == 1, res.stderr[-2000:]
+    report = res.json()
+    assert report["passed"] is False and report["checks"]["grads"] is False and report["checks"]["loss"] is True
+    where = report["first_divergence"]
+    assert where["step"] == 1 and where["differs"] == "grads"
+    assert "first divergence at step 1: only the gradients differ" in res.stderr
+    assert "gradient 2x the reference" in res.stderr
 
-    from paratrain.bench.verify import compare_tensors
 
-    ref = {"w": torch.ones(4, 4)}
-    ok = compare_tensors(ref, {"w": torch.ones(4, 4) + 1e-7}, atol=1e-5, rtol=1e-4)
-    bad = compare_tensors(ref, {"w": torch.ones(4, 4) + 1e-2}, atol=1e-5, rtol=1e-4)
-    missing = compare_tensors(ref, {}, atol=1e-5, rtol=1e-4)
-    assert ok[2] is True and bad[2] is False and missing[2] is False and missing[3] == ["w"]
+# -- the comparisons can fail --------------------------------------------------------------------------------------
+def _step(w: torch.Tensor, loss: float = 2.0, norm: float = 1.0) -> dict:
+    return {"loss": loss, "grad_norm": norm, "grads": {"w": w.clone()}, "params": {"w": w.clone()}, "acts": None}
+
+
+def _ref() -> dict:
+    ref = _step(torch.ones(4, 4))
+    ref["update"] = {"w": 0.1}  # this step moved w by 0.1 (L2)
+    return ref
+
+
+def test_one_bad_replica_is_caught_and_named():
+    ref, tol = _ref(), Tolerance.for_dtype("fp32")
+    good, drifted = _step(torch.ones(4, 4)), _step(torch.ones(4, 4))
+    drifted["params"]["w"][0, 0] += 0.01  # 10% of the step's update, on rank 1 only
+    err = compare_step(ref, [good, drifted])
+    ok = judge(err, ref, tol)
+    assert ok == {"loss": True, "activations": True, "grads": True, "params": False}
+    where = divergence(3, err, ok, tol, [])
+    assert where["step"] == 3 and where["differs"] == "params"
+    assert where["parameters"][0]["name"] == "w" and where["parameters"][0]["rank"] == 1
+    assert where["parameters"][0]["rel_error"] == pytest.approx(0.1, rel=1e-3) and where["ranks"] == [1]
+    assert "step 3: only the parameters differ" in describe_divergence(where)
+    assert judge(compare_step(ref, [good, good]), ref, tol) == {k: True for k in ok}
+
+
+def test_nan_never_passes():
+    ref, tol = _ref(), Tolerance.for_dtype("fp32")
+    assert math.isnan(nanmax([1.0, float("nan"), 3.0])) and max(1.0, float("nan")) == 1.0  # what builtin max hides
+    nan_loss = judge(compare_step(ref, [_step(torch.ones(4, 4), loss=float("nan"))]), ref, tol)
+    assert nan_loss["loss"] is False
+    bad = torch.ones(4, 4)
+    bad[1, 1] = float("nan")
+    nan_grad = judge(compare_step(ref, [_step(bad)]), ref, tol)
+    assert nan_grad["grads"] is False and nan_grad["params"] is False
+    assert judge(compare_step(ref, [_step(torch.ones(4, 4), norm=float("nan"))]), ref, tol)["grads"] is False
+
+
+def test_missing_or_extra_parameters_fail():
+    ref, tol = _ref(), Tolerance.for_dtype("fp32")
+    empty = {"loss": 2.0, "grad_norm": 1.0, "grads": {}, "params": {}, "acts": None}
+    err = compare_step(ref, [empty])
+    assert err["missing"] == ["w"] and judge(err, ref, tol)["params"] is False
+    extra = _step(torch.ones(4, 4))
+    extra["grads"]["v"] = torch.zeros(2)
+    assert judge(compare_step(ref, [extra]), ref, tol)["grads"] is False
+
+
+def test_low_precision_tolerance_is_the_floor_times_the_multiple():
+    floor = {"loss": 1e-4, "grad_norm": 1e-3, "grad": 1e-2, "param": 1e-1, "act": 1e-9}
+    tol = Tolerance.from_floor(floor, multiple=4)
+    assert tol.loss_rtol == pytest.approx(4e-4) and tol.grad_rtol == pytest.approx(4e-2)
+    assert tol.param_rtol == pytest.approx(0.4) and tol.act_rtol == Tolerance().act_rtol  # never below fp32's
+    assert tol.basis == "4 x noise floor"
+
+
+# -- options that would not act are refused -------------------------------------------------------------------------
+def _refusal(**overrides) -> str:
+    cfg = TrainConfig(device="cpu", steps=5, **overrides)
+    with pytest.raises(UserError) as exc:
+        check_verifiable(cfg, resolve_layout(cfg, 2))
+    return str(exc.value)
+
+
+def test_options_that_would_not_act_are_refused():
+    assert "would not compress within 5 steps (it starts at step 6)" in _refusal(strategy="ddp", ddp_comm_hook="powersgd")
+    assert "would not act within 5 steps" in _refusal(strategy="ddp", local_sgd_period=8)
+    assert "each rank steps on its own gradients" in _refusal(strategy="ddp", local_sgd_period=2)
+    assert "--microbatches 4 does not act without a pipeline" in _refusal(strategy="ddp", microbatches=4)
+    assert "no gradient accumulation happens" in _refusal(strategy="ddp", micro_batch=8)
+    fine = TrainConfig(device="cpu", steps=5, strategy="ddp", micro_batch=4)
+    check_verifiable(fine, resolve_layout(fine, 2))  # 2 micro-batches per step: accumulation acts
+
+
+def test_refusal_is_one_line_and_exit_2(cli):
+    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--ddp-comm-hook", "powersgd", timeout=60)
+    assert res.returncode == 2 and "verify refuses --ddp-comm-hook powersgd" in res.stderr
+    assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1, res.stderr
+
+
+def test_mutation_switch_is_off_unless_named(monkeypatch):
+    monkeypatch.delenv(MUTATION_ENV, raising=False)
+    assert mutation("dp-grad-sum") is False
+    monkeypatch.setenv(MUTATION_ENV, "dp-grad-sum")
+    assert mutation("dp-grad-sum") is True and mutation("zero1-no-broadcast") is False
+    monkeypatch.setenv(MUTATION_ENV, "typo")
+    with pytest.raises(UserError, match="not a known mutation"):
+        mutation("dp-grad-sum")

@@ -3,7 +3,7 @@
     python tests/parallel/pipeline_checks.py 2|4 CKPT_DIR   -> one JSON document on stdout
 
 For each layout: a single-device reference Trainer on rank 0 (same seed, weights, batches) against the
-pipelined Trainer, with paratrain verify's comparison (bench/verify.py build_result, fp32 tolerances).
+pipelined Trainer, through paratrain verify itself (bench/verify.py verify_in_group, fp32 tolerances).
 The 2-rank group also saves a checkpoint from one stage layout and resumes it into another.
 """
 
@@ -37,42 +37,39 @@ LAYOUTS = {
 
 
 def check_layout(rt, overrides: dict) -> dict | None:
-    import torch.distributed as dist
-
-    from paratrain.bench.verify import Tolerance, build_result, full_tensors, gather_to_rank0, run_steps
+    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
-    from paratrain.parallel.strategies import resolve_layout
-    from paratrain.train.trainer import Trainer
 
-    cfg = TrainConfig(**{**BASE, **overrides})
-    reference = None
-    if rt.is_main:
-        ref_cfg = cfg.model_copy(update={"strategy": "single", "micro_batch": None, "pp": None, "dp_shard": None,
-                                         "dp_replicate": None, "tp": None})
-        ref = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
-        reference = (run_steps(ref, cfg.steps), full_tensors(ref.step_runner.model_parts, "grad"),
-                     full_tensors(ref.step_runner.model_parts, "param"))
-    trainer = Trainer(cfg, rt, quiet=True)
-    losses = run_steps(trainer, cfg.steps)
-    grads = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "grad"))
-    params = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "param"))
-    timing = trainer.step_runner.timing_report()
-    every_loss: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every_loss, losses)
+    result = verify_in_group(TrainConfig(**{**BASE, **overrides}), rt)
     if not rt.is_main:
         return None
-    result = build_result(cfg, trainer.layout, Tolerance.for_dtype("fp32"), reference, losses, grads, params, {})
     return {"passed": result["passed"], "checks": result["checks"], "max_loss_abs_diff": result["max_loss_abs_diff"],
             "max_grad_rel_diff": result["max_grad_rel_diff"], "max_param_abs_diff": result["max_param_abs_diff"],
-            "same_loss_on_every_rank": all(x == losses for x in every_loss), "timing": timing,
-            "n_parts_rank0": len(trainer.step_runner.model_parts)}
+            "first_divergence": result["first_divergence"],
+            "same_loss_on_every_rank": result["same_loss_on_every_rank"], "timing": result["pipeline"],
+            "n_parts_rank0": result["compared"]["model_parts"]}
+
+
+def run_steps(trainer, steps: int) -> list[float]:
+    return [trainer.train_step(trainer.source.next_step())["loss"] for _ in range(steps)]
+
+
+def all_params(trainer) -> dict | None:
+    """{name: full tensor} over every rank's parameters, on rank 0 (each pipeline rank holds some)."""
+    import torch.distributed as dist
+
+    from paratrain.bench.verify_probe import full_tensors
+
+    mine = full_tensors(trainer.step_runner.model_parts, "param")
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return {k: v for d in everyone for k, v in d.items()} if everyone else None
 
 
 def check_checkpoint_across_layouts(rt, ckpt_dir: str) -> dict | None:
     """Save after 2 steps of interleaved (2 stages/rank), resume into 1F1B (1 stage/rank): the parameters
     and the next step's loss must match exactly."""
 
-    from paratrain.bench.verify import full_tensors, gather_to_rank0, run_steps
     from paratrain.config import TrainConfig
     from paratrain.train.trainer import Trainer
 
@@ -80,12 +77,12 @@ def check_checkpoint_across_layouts(rt, ckpt_dir: str) -> dict | None:
     saver = Trainer(TrainConfig(**{**common, **LAYOUTS[2]["interleaved-1f1b"]}), rt, quiet=True)
     run_steps(saver, 2)
     path = str(saver.save_checkpoint())
-    saved = gather_to_rank0(full_tensors(saver.step_runner.model_parts, "param"))
+    saved = all_params(saver)
     next_loss = run_steps(saver, 1)[0]
     resumed = Trainer(TrainConfig(**{**common, "strategy": "pp", "pp_schedule": "1f1b", "microbatches": 2,
                                      "resume": path}), rt, quiet=True)
     resumed.maybe_resume()
-    loaded = gather_to_rank0(full_tensors(resumed.step_runner.model_parts, "param"))
+    loaded = all_params(resumed)
     resumed_loss = run_steps(resumed, 1)[0]
     if not rt.is_main:
         return None

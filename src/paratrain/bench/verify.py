@@ -1,106 +1,264 @@
-"""Parity harness: a strategy on N processes against a single-device reference, step by step.
+"""Parity harness: a strategy on N processes against a single-device reference, step by step, rank by rank.
 
-Same seed, same initial weights (built once on CPU, then sharded), same global batches. Compares the loss
-of every step, then the gradients of the last step and the parameters after it.
+Same seed, same initial weights (built once on CPU, then sharded), same global batches. After EVERY step,
+EVERY rank sends rank 0 its loss, its pre-clip gradient norm, its full gradients (before clipping), its full
+parameters and its activation fingerprints; rank 0 compares each with the reference (bench/verify_compare.py)
+and reports where the run first diverges. docs/verify.md has the tolerances and their measured margins.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
-from dataclasses import asdict, dataclass
 
-import torch
 import torch.distributed as dist
 
+from paratrain.bench.verify_compare import (
+    Tolerance,
+    compare_step,
+    divergence,
+    floor_multiple,
+    judge,
+    nanmax,
+)
+from paratrain.bench.verify_probe import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
 from paratrain.errors import UserError
 
-# wrapper path components (DDP, torch.compile, activation checkpointing, FSDP1) that are not part of the model
-STRIP = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+_REFERENCES: dict[str, dict] = {}  # reference runs by config, so one process group can verify many layouts
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    loss_atol: float
-    loss_rtol: float
-    param_atol: float
-    param_rtol: float
-    grad_rtol: float
-
-    @classmethod
-    def for_dtype(cls, dtype: str, lr: float = 3e-3, steps: int = 5) -> Tolerance:
-        # Adam divides by sqrt(v) + eps: where a gradient element is near eps (~1e-8), fp32 rounding in the
-        # reduction order can swing that element's update by up to ~lr per step. So the parameter bound has
-        # a term 2% of lr*steps; a real strategy bug (a shard not updated, a wrong scale) moves parameters by
-        # ~lr per step, 50x more, and loss and gradients are held to tight bounds independently.
-        adam_noise = 0.02 * lr * steps
-        if dtype == "fp32":
-            return cls(loss_atol=1e-6, loss_rtol=1e-5, param_atol=1e-5 + adam_noise, param_rtol=1e-4,
-                       grad_rtol=1e-4)
-        # low precision: reduction order changes rounding at the 1e-3 level, and Adam amplifies it
-        return cls(loss_atol=1e-2, loss_rtol=2e-2, param_atol=5e-3 + adam_noise, param_rtol=5e-2, grad_rtol=5e-2)
-
-
-def clean_name(name: str) -> str:
-    # whole components only: replacing the substring "module." would eat "_checkpoint_wrapped_module."
-    return ".".join(part for part in name.split(".") if part not in STRIP)
-
-
-def full_tensors(model_parts, kind: str) -> dict[str, torch.Tensor]:
-    """{fqn: full CPU tensor} of this rank's parameters (kind="param") or gradients (kind="grad").
-
-    DTensors are gathered with full_tensor(), a collective over their mesh, so every rank holding a
-    shard of the same module must call this in the same order (named_parameters order guarantees it).
-    """
-    out = {}
-    for part in model_parts:
-        for name, p in part.named_parameters():
-            t = p if kind == "param" else p.grad
-            if t is None:
-                continue
-            t = t.detach()
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            out[clean_name(name)] = t.float().cpu().clone()
-    return out
+def check_verifiable(cfg, layout) -> None:
+    """Refuse, in one line, options that would not act within the verified steps or cannot match one device."""
+    steps = cfg.steps
+    if layout.ddp_comm_hook == "powersgd":
+        start = layout.powersgd_start
+        when = (f"it would not compress within {steps} steps (it starts at step {start + 1})" if start >= steps
+                else f"from step {start + 1} it approximates gradients (rank-limited)")
+        raise UserError(f"verify refuses --ddp-comm-hook powersgd: {when}, and an approximation cannot match one "
+                        "device step for step; its convergence against DDP is tested instead")
+    if layout.local_sgd_period:
+        period = layout.local_sgd_period
+        when = (f"it would not act within {steps} steps (local steps start after step {period})" if period >= steps
+                else "after its warm-up each rank steps on its own gradients")
+        raise UserError(f"verify refuses --local-sgd-period {period}: {when}, which cannot match one device step "
+                        "for step; its convergence against DDP is tested instead")
+    if layout.pp_enabled:
+        return
+    local = cfg.global_batch // layout.dp
+    if cfg.microbatches is not None and cfg.microbatches != layout.microbatches:
+        raise UserError(f"--microbatches {cfg.microbatches} does not act without a pipeline: this run takes "
+                        f"{layout.microbatches} micro-batch(es) per step, so verify would not exercise gradient "
+                        f"accumulation; use --micro-batch N (N < {local}, the per-rank batch)")
+    if (cfg.micro_batch is not None or cfg.microbatches is not None) and layout.microbatches == 1:
+        raise UserError(f"this run takes one micro-batch of {layout.micro_batch} per step (the whole per-rank batch, "
+                        f"{cfg.global_batch} / dp {layout.dp}): no gradient accumulation happens, so verify would "
+                        f"not exercise it; give --micro-batch below {local}")
 
 
-def gather_to_rank0(local: dict) -> dict | None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    bucket = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, bucket, dst=0)
-    if dist.get_rank() != 0:
+class Recorder:
+    """Reads one Trainer's state at every step: the gradients before clipping (it wraps this trainer's
+    optimizer_step, which clips first), then loss, grad norm, parameters and activation fingerprints."""
+
+    def __init__(self, trainer, tp_rank: int, fingerprints: bool):
+        self.trainer, self.grads = trainer, None
+        self.parts = trainer.step_runner.model_parts
+        self.fingerprints = Fingerprints(self.parts, tp_rank) if fingerprints else None
+        optimizer_step = trainer.optimizer_step
+
+        def probed():
+            scaler = trainer.scaler  # fp16: the grads are still multiplied by the loss scale here
+            self.grads = full_tensors(self.parts, "grad", float(scaler.get_scale()) if scaler else 1.0)
+            return optimizer_step()
+
+        trainer.optimizer_step = probed
+
+    def step(self) -> dict:
+        micro = self.trainer.source.next_step()
+        out = self.trainer.train_step(micro)
+        calls = getattr(self.trainer.step_runner, "microbatches", None) or len(micro)
+        acts = self.fingerprints.take(calls) if self.fingerprints else None
+        return {"loss": out["loss"], "grad_norm": out["grad_norm"], "grads": self.grads,
+                "params": full_tensors(self.parts, "param"), "acts": acts}
+
+    @property
+    def order(self) -> list[str]:
+        return self.fingerprints.order if self.fingerprints else []
+
+    def close(self) -> None:
+        if self.fingerprints:
+            self.fingerprints.remove()
+
+
+def reference_config(cfg, dtype: str):
+    return cfg.model_copy(update={"strategy": "single", "micro_batch": None, "microbatches": None, "dp_replicate": None,
+                                  "dp_shard": None, "tp": None, "pp": None, "cp": None, "sp": False, "ac": "none",
+                                  "compile": False, "cpu_offload": False, "ddp_comm_hook": "none",
+                                  "local_sgd_period": 0, "virtual_stages": 1, "dtype": dtype})
+
+
+def reference_run(cfg, rt, dtype: str, fingerprints: bool) -> dict:
+    """The single-device run on this rank (rank 0): every step's record plus the step's own parameter update."""
+    from paratrain.parallel.strategies import resolve_layout
+    from paratrain.train.trainer import Trainer
+
+    ref_cfg = reference_config(cfg, dtype)
+    key = json.dumps([ref_cfg.model_dump(), fingerprints], sort_keys=True, default=str)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    trainer = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
+    recorder = Recorder(trainer, 0, fingerprints)
+    before = full_tensors(recorder.parts, "param")
+    steps = []
+    for _ in range(cfg.steps):
+        rec = recorder.step()
+        rec["update"] = {n: float((p - before[n]).double().norm()) for n, p in rec["params"].items()}
+        before = rec["params"]
+        steps.append(rec)
+    recorder.close()
+    run = {"steps": steps, "order": recorder.order}
+    if len(_REFERENCES) >= 4:
+        _REFERENCES.pop(next(iter(_REFERENCES)))
+    _REFERENCES[key] = run
+    return run
+
+
+def noise_floor(same: dict, exact: dict) -> dict:
+    """How far the single-device run in the low precision lands from the fp32 one, per metric (max over steps)."""
+    floor = {"loss": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0, "act": 0.0}
+    for low, ref in zip(same["steps"], exact["steps"]):
+        err = compare_step(ref, [low])
+        floor["loss"] = nanmax([floor["loss"], err["loss_abs"] / max(abs(ref["loss"]), 1e-30)])
+        floor["grad_norm"] = nanmax([floor["grad_norm"], err["grad_norm_rel"]])
+        floor["grad"] = nanmax([e[0] for e in err["grads"]], floor["grad"])
+        floor["param"] = nanmax([e[0] for e in err["params"]], floor["param"])
+        floor["act"] = nanmax([e for e, _ in err["acts"] or []], floor["act"])
+    return floor
+
+
+def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
+    """One verify run inside an already joined process group; rank 0 returns the report, others None.
+
+    Tests call it several times in one group (one launch for many strategies)."""
+    from paratrain.parallel.strategies import resolve_layout
+    from paratrain.train.trainer import Trainer
+
+    layout = resolve_layout(cfg, rt.world_size)
+    check_verifiable(cfg, layout)
+    reference, floor = None, None
+    fingerprints = not cfg.compile  # hooks inside compiled regions are not safe
+    if rt.is_main:
+        exact = reference_run(cfg, rt, "fp32", fingerprints)
+        reference = exact
+        if cfg.dtype != "fp32":
+            reference = reference_run(cfg, rt, cfg.dtype, fingerprints)
+            floor = noise_floor(reference, exact)
+            tol = tol or Tolerance.from_floor(floor, floor_multiple(layout))
+        tol = tol or Tolerance.for_dtype(cfg.dtype)
+    trainer = Trainer(cfg, rt, quiet=True)
+    tp_rank = trainer.layout.coords(rt.rank)["tp"] if trainer.distributed else 0
+    recorder = Recorder(trainer, tp_rank, fingerprints)
+    report = Report(cfg, trainer.layout, tol, reference, floor) if rt.is_main else None
+    if report is not None:
+        report.model_parts = len(trainer.step_runner.model_parts)
+    for step in range(1, cfg.steps + 1):
+        record = recorder.step()
+        everyone = [record]
+        if trainer.distributed:
+            everyone = [None] * dist.get_world_size() if rt.is_main else None
+            dist.gather_object(record, everyone, dst=0)
+        if report is not None:
+            report.add(step, everyone)
+    recorder.close()
+    extra = trainer.verify_extras()
+    if report is None:
         return None
-    merged = {}
-    for d in bucket:
-        merged.update(d)
-    return merged
+    return report.result(extra)
 
 
-def compare_tensors(ref: dict, got: dict, atol: float, rtol: float) -> tuple[float, float, bool, list[str]]:
-    """(max abs diff, max relative diff per tensor, all close, missing names)."""
-    missing = sorted(set(ref) - set(got))
-    max_abs, max_rel, ok = 0.0, 0.0, not missing
-    for name, r in ref.items():
-        if name not in got:
-            continue
-        g = got[name]
-        if g.shape != r.shape:
-            return float("inf"), float("inf"), False, [f"{name} shape {tuple(g.shape)} != {tuple(r.shape)}"]
-        diff = (g - r).abs()
-        max_abs = max(max_abs, float(diff.max()))
-        max_rel = max(max_rel, float(diff.max() / r.abs().max().clamp_min(1e-12)))
-        ok = ok and bool((diff <= atol + rtol * r.abs()).all())
-    return max_abs, max_rel, ok, missing
+class Report:
+    """Rank 0's running comparison, step by step, and the final JSON document."""
+
+    def __init__(self, cfg, layout, tol: Tolerance, reference: dict, floor: dict | None):
+        self.cfg, self.layout, self.tol, self.ref, self.floor = cfg, layout, tol, reference, floor
+        self.per_step, self.first = [], None
+        self.checks = {"loss": True, "activations": True, "grads": True, "params": True}
+        self.max = {"loss_abs": 0.0, "loss_rel": 0.0, "grad_norm_rel": 0.0, "grad_rel": 0.0, "param_rel": 0.0,
+                    "param_abs": 0.0, "act_rel": 0.0}
+        self.missing: list[str] = []
+        self.acts_compared = True
+        self.same_loss = True  # every rank reported exactly the same global loss
+        self.model_parts = 1
+
+    def add(self, step: int, records: list[dict]) -> None:
+        ref = self.ref["steps"][step - 1]
+        err = compare_step(ref, records)
+        ok = judge(err, ref, self.tol)
+        worst_act = nanmax([e for e, _ in err["acts"]]) if err["acts"] is not None else None
+        self.acts_compared = self.acts_compared and err["acts"] is not None
+        row = {"loss_abs": err["loss_abs"], "loss_rel": err["loss_abs"] / max(abs(ref["loss"]), 1e-30),
+               "grad_norm_rel": err["grad_norm_rel"], "grad_rel": nanmax([e[0] for e in err["grads"]]),
+               "param_rel": nanmax([e[0] for e in err["params"]]), "param_abs": nanmax([e[3] for e in err["params"]]),
+               "act_rel": worst_act or 0.0}
+        for key, value in row.items():
+            self.max[key] = nanmax([self.max[key], value])
+        for key in self.checks:
+            self.checks[key] = self.checks[key] and ok[key]
+        self.missing = sorted(set(self.missing) | set(err["missing"]))
+        self.same_loss = self.same_loss and len({rec["loss"] for rec in records}) == 1
+        if self.first is None and not all(ok.values()):
+            self.first = divergence(step, err, ok, self.tol, self.ref["order"])
+        self.per_step.append({"step": step, "loss_ref": ref["loss"], "loss": records[0]["loss"],
+                              "grad_norm_ref": ref["grad_norm"], "grad_norm": records[0]["grad_norm"],
+                              "grad_rel_diff": row["grad_rel"], "param_rel_diff": row["param_rel"],
+                              "act_rel_diff": worst_act, "passed": all(ok.values())})
+
+    def margins(self) -> dict:
+        """Tolerance / largest error seen, per check (how far inside its bound the run stayed)."""
+        t, m = self.tol, self.max
+        pairs = {"loss": (t.loss_rtol, m["loss_rel"]), "grad_norm": (t.grad_norm_rtol, m["grad_norm_rel"]),
+                 "grads": (t.grad_rtol, m["grad_rel"]), "params": (t.param_rtol, m["param_rel"]),
+                 "activations": (t.act_rtol, m["act_rel"])}
+        return {k: (bound / err if err > 0 else None) if err == err else float("nan") for k, (bound, err) in pairs.items()}
+
+    def result(self, extra: dict) -> dict:
+        layout, m = self.layout, self.max
+        return {"strategy": self.cfg.strategy, "dims": layout.degrees(), "world_size": layout.world,
+                "steps": self.cfg.steps, "dtype": self.cfg.dtype, "model": self.cfg.model,
+                "tolerance": self.tol.to_dict(), "noise_floor": self.floor,
+                "floor_multiple": floor_multiple(layout) if self.floor is not None else None,
+                "max_loss_abs_diff": m["loss_abs"], "max_loss_rel_diff": m["loss_rel"],
+                "max_grad_norm_rel_diff": m["grad_norm_rel"], "max_grad_rel_diff": m["grad_rel"],
+                "max_param_rel_diff": m["param_rel"], "max_param_abs_diff": m["param_abs"],
+                "max_act_rel_diff": m["act_rel"] if self.acts_compared else None, "margins": self.margins(),
+                "passed": all(self.checks.values()) and not self.missing, "checks": self.checks,
+                "first_divergence": self.first, "missing": self.missing,
+                "compared": {"ranks": layout.world, "every_step": True, "grads": "before clipping",
+                             "activations": self.acts_compared, "model_parts": self.model_parts},
+                "same_loss_on_every_rank": self.same_loss,
+                "per_step": self.per_step, **extra}
 
 
-def run_steps(trainer, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        losses.append(trainer.train_step(trainer.source.next_step())["loss"])
-    return losses
+def describe_divergence(first: dict | None) -> str | None:
+    """One line for a person: the step, what differs, and where."""
+    if not first:
+        return None
+    what = {"loss": "the loss differs", "activations": "activations differ (loss within tolerance)",
+            "grads": "only the gradients differ (the loss matches)",
+            "params": "only the parameters differ (loss and gradients match): an optimizer-side bug"}[first["differs"]]
+    where = f"; first diverging module: {first['module']}" if first.get("module") else ""
+    top = first["parameters"][0] if first["parameters"] else None
+    param = ""
+    if top:
+        param = f"; largest error: {top['name']} on rank {top['rank']} (relative error {top['rel_error']:.3g}"
+        if top.get("grad_scale") is not None and top["grad_scale"] == top["grad_scale"]:
+            param += f", gradient {top['grad_scale']:.3g}x the reference"
+        param += ")"
+    if first.get("ranks"):
+        param += f"; diverging on rank(s) {', '.join(str(r) for r in first['ranks'])}"
+    missing = f"; missing: {', '.join(first['missing'][:3])}" if first.get("missing") else ""
+    return f"first divergence at step {first['step']}: {what}{where}{param}{missing}"
 
 
 def verify_worker(cfg_dict: dict, tol_dict: dict | None = None) -> dict | None:
@@ -112,7 +270,7 @@ def verify_worker(cfg_dict: dict, tol_dict: dict | None = None) -> dict | None:
     cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False, "tf32": False})
     setup_logging(int(os.environ.get("RANK", "0")))
     rt = init_runtime(cfg.device, cfg.timeout_s)
-    tol = Tolerance(**tol_dict) if tol_dict else Tolerance.for_dtype(cfg.dtype, cfg.lr, cfg.steps)
+    tol = Tolerance(**tol_dict) if tol_dict else None
     try:
         result = verify_in_group(cfg, rt, tol)
     except UserError as exc:
@@ -123,50 +281,3 @@ def verify_worker(cfg_dict: dict, tol_dict: dict | None = None) -> dict | None:
     gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
     shutdown()
     return result
-
-
-def verify_in_group(cfg, rt, tol: Tolerance) -> dict | None:
-    """One verify run inside an already joined process group; rank 0 returns the report, others None.
-
-    Tests call it several times in one group (one launch for many strategies)."""
-    from paratrain.parallel.strategies import resolve_layout
-    from paratrain.train.trainer import Trainer
-
-    reference = None
-    if rt.is_main:
-        ref_cfg = cfg.model_copy(update={"strategy": "single", "micro_batch": None, "dp_replicate": None,
-                                         "dp_shard": None, "tp": None, "pp": None, "cp": None,
-                                         "ac": "none", "compile": False, "cpu_offload": False,
-                                         "ddp_comm_hook": "none", "local_sgd_period": 0})
-        ref = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
-        ref_losses = run_steps(ref, cfg.steps)
-        reference = (ref_losses, full_tensors(ref.step_runner.model_parts, "grad"),
-                     full_tensors(ref.step_runner.model_parts, "param"))
-        del ref
-    trainer = Trainer(cfg, rt, quiet=True)
-    losses = run_steps(trainer, cfg.steps)
-    grads = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "grad"))
-    params = gather_to_rank0(full_tensors(trainer.step_runner.model_parts, "param"))
-    extra = getattr(trainer, "verify_extras", lambda: {})()
-    if not rt.is_main:
-        return None
-    return build_result(cfg, trainer.layout, tol, reference, losses, grads, params, extra)
-
-
-def build_result(cfg, layout, tol: Tolerance, reference, losses, grads, params, extra: dict) -> dict:
-    ref_losses, ref_grads, ref_params = reference
-    per_step, loss_ok, max_loss = [], True, 0.0
-    for i, (lr_, l_) in enumerate(zip(ref_losses, losses), start=1):
-        diff = abs(l_ - lr_)
-        max_loss = max(max_loss, diff)
-        loss_ok = loss_ok and diff <= tol.loss_atol + tol.loss_rtol * abs(lr_)
-        per_step.append({"step": i, "loss_ref": lr_, "loss": l_})
-    _, grad_rel, _, grad_missing = compare_tensors(ref_grads, grads, float("inf"), 0.0)
-    param_abs, _, param_ok, param_missing = compare_tensors(ref_params, params, tol.param_atol, tol.param_rtol)
-    grad_ok = not grad_missing and grad_rel <= tol.grad_rtol
-    return {"strategy": cfg.strategy, "dims": layout.degrees(), "world_size": layout.world, "steps": cfg.steps,
-            "dtype": cfg.dtype, "model": cfg.model, "tolerance": asdict(tol),
-            "max_loss_abs_diff": max_loss, "max_grad_rel_diff": grad_rel, "max_param_abs_diff": param_abs,
-            "passed": bool(loss_ok and grad_ok and param_ok),
-            "checks": {"loss": loss_ok, "grads": grad_ok, "params": param_ok},
-            "missing": grad_missing + param_missing, "per_step": per_step, **extra}

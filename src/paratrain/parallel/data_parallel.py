@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.errors import UserError
+from paratrain.parallel.mutations import mutation, sum_allreduce_hook
 
 log = logging.getLogger("paratrain")
 
@@ -30,6 +31,8 @@ def apply_ddp(model: nn.Module, dp_mesh, device_type: str, bucket_cap_mb: float 
     group = dp_mesh.get_group()
     if comm_hook != "none":
         register_comm_hook(ddp, comm_hook, group, powersgd_start)
+    elif mutation("dp-grad-sum") and not local_sgd_period:  # TEST-ONLY mutation (a), see parallel/mutations.py
+        ddp.register_comm_hook(group, sum_allreduce_hook)
     if local_sgd_period:
         attach_local_sgd(ddp, local_sgd_period, group)
     extras = (f", {comm_hook} comm hook" if comm_hook != "none" else "") + \
@@ -86,6 +89,11 @@ def _zero_optimizer_class():
         load_state_dict() keeps only the states of the parameters this rank owns now, so a checkpoint loads
         at any world size and into a plain AdamW run too.
         """
+
+        def _broadcast_params_from_rank(self, rank: int):
+            if mutation("zero1-no-broadcast") and rank == 1:  # TEST-ONLY mutation (f): rank 1's shard stays put
+                return []
+            return super()._broadcast_params_from_rank(rank)
 
         def state_dict(self) -> dict:
             import torch.distributed as dist

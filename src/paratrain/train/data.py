@@ -91,14 +91,28 @@ class SyntheticMarkov:
 
 class TokenFile:
     """Windows of a flat token array: nanoGPT-style .bin (uint16, or uint32 for vocabularies > 65536),
-    or the raw bytes of any other file (tokens 0..255)."""
+    or the raw bytes of any other file (tokens 0..255).
 
-    def __init__(self, path: str, vocab_size: int, seq_len: int, seed: int = 0):
+    A .bin with a sidecar `tokens.bin.json` (from `paratrain data prepare`) takes its dtype from there, and its
+    tokenizer's vocabulary must fit the model's. `split=(a, b)` keeps the tokens [a*n, b*n): training reads
+    random windows inside it, validation (`sequential=True`) consecutive non-overlapping ones from its start.
+    """
+
+    def __init__(self, path: str, vocab_size: int, seq_len: int, seed: int = 0, split: tuple[float, float] = (0.0, 1.0),
+                 sequential: bool = False):
         p = Path(path)
         if not p.is_file():
             raise UserError(f"data file not found: {path}")
+        self.meta = None
         if p.suffix == ".bin":
-            dtype = np.uint32 if vocab_size > 65536 else np.uint16
+            from paratrain.train.prepare import read_sidecar, sidecar_path
+
+            self.meta = read_sidecar(p)
+            if self.meta is not None and self.meta["vocab_size"] > vocab_size:
+                raise UserError(f"{sidecar_path(p)}: the tokenizer's vocabulary ({self.meta['vocab_size']}) is larger "
+                                f"than the model's ({vocab_size}); use --vocab-size {self.meta['vocab_size']} or more, "
+                                "or a larger model")
+            dtype = np.dtype(self.meta["dtype"]) if self.meta else (np.uint32 if vocab_size > 65536 else np.uint16)
             if p.stat().st_size % np.dtype(dtype).itemsize:
                 raise UserError(f"data file {path} is not a whole number of {np.dtype(dtype).name} tokens")
         else:
@@ -109,27 +123,80 @@ class TokenFile:
             self.tokens = np.memmap(p, dtype=dtype, mode="r")
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot read data file {path}: {exc}") from None
-        if len(self.tokens) < seq_len + 2:
-            raise UserError(f"data file {path} has {len(self.tokens)} tokens; need more than seq_len+1={seq_len + 1}")
+        if self.meta is not None and self.meta.get("tokens") not in (None, len(self.tokens)):
+            raise UserError(f"data file {path} holds {len(self.tokens)} tokens but its sidecar says {self.meta['tokens']}")
+        n = len(self.tokens)
+        self.lo, self.hi = int(n * split[0]), int(n * split[1])
+        part = "" if split == (0.0, 1.0) else f" (its held-out part, {self.hi - self.lo} tokens)" if sequential \
+            else f" (its training part, {self.hi - self.lo} tokens)"
+        if self.hi - self.lo < seq_len + 2:
+            raise UserError(f"data file {path}{part} has {self.hi - self.lo} tokens; need more than "
+                            f"seq_len+1={seq_len + 1}")
         self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
+        self.sequential = sequential
         self.path = str(p)
 
     def entropy_floor(self) -> float | None:
         return None
 
+    def num_tokens(self) -> int:
+        return self.hi - self.lo
+
+    def num_windows(self) -> int:
+        """Non-overlapping windows of seq_len + 1 tokens (sharing an end token with the next)."""
+        return (self.hi - self.lo - 1) // self.seq_len
+
+    def window_starts(self, indices: np.ndarray) -> np.ndarray:
+        span = self.hi - self.lo - self.seq_len - 1
+        return self.lo + (uniform_hash(self.seed, indices, 1 << 20) * span).astype(np.int64)
+
+    def sequential_starts(self, indices: np.ndarray) -> np.ndarray:
+        return self.lo + np.asarray(indices, dtype=np.int64) * self.seq_len
+
     def samples(self, indices: np.ndarray) -> np.ndarray:
-        span = len(self.tokens) - self.seq_len - 1
-        starts = (uniform_hash(self.seed, indices, 1 << 20) * span).astype(np.int64)
+        starts = self.sequential_starts(indices) if self.sequential else self.window_starts(indices)
         out = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         if out.max(initial=0) >= self.vocab_size:
             raise UserError(f"data file {self.path} holds token id {out.max()} >= vocab size {self.vocab_size}")
         return out
 
 
-def make_dataset(spec: str, vocab_size: int, seq_len: int, seed: int):
+class HeldOut:
+    """Synthetic validation data: the same chain, at sample indices no training step ever draws."""
+
+    OFFSET = 1 << 40
+
+    def __init__(self, dataset: SyntheticMarkov):
+        self.dataset = dataset
+
+    def samples(self, indices: np.ndarray) -> np.ndarray:
+        return self.dataset.samples(np.asarray(indices, dtype=np.int64) + self.OFFSET)
+
+
+def make_dataset(spec: str, vocab_size: int, seq_len: int, seed: int, val_fraction: float = 0.0):
+    """The training data set; with val_fraction, a data file's tail is held out (see make_val_dataset)."""
     if spec == "synthetic":
         return SyntheticMarkov(vocab_size, seq_len, seed)
-    return TokenFile(spec, vocab_size, seq_len, seed)
+    return TokenFile(spec, vocab_size, seq_len, seed, split=(0.0, 1.0 - val_fraction))
+
+
+def make_val_dataset(spec: str, val_data: str | None, val_fraction: float, eval_every: int, vocab_size: int,
+                     seq_len: int, seed: int):
+    """The validation data set (read sequentially), or None when the run does not validate."""
+    if val_data:
+        if val_fraction:
+            raise UserError("give --val-data or --val-fraction, not both")
+        return TokenFile(val_data, vocab_size, seq_len, seed, sequential=True)
+    if spec == "synthetic":
+        if val_fraction:
+            raise UserError("--val-fraction holds out the tail of a data file; synthetic data validates on "
+                            "held-out sequences with --eval-every alone")
+        return HeldOut(SyntheticMarkov(vocab_size, seq_len, seed)) if eval_every else None
+    if val_fraction:
+        return TokenFile(spec, vocab_size, seq_len, seed, split=(1.0 - val_fraction, 1.0), sequential=True)
+    if eval_every:
+        raise UserError(f"--eval-every needs --val-data or --val-fraction with --data {spec}")
+    return None
 
 
 class BatchSource:
@@ -155,6 +222,8 @@ class BatchSource:
 
     def rank_batch(self, step: int) -> Batch:
         first = step * self.global_batch + self.dp_rank * self.local
+        if hasattr(self.dataset, "batch"):  # a custom model's data function (train/custom.py)
+            return self.dataset.batch(np.arange(first, first + self.local, dtype=np.int64))
         tokens = torch.from_numpy(self.dataset.samples(np.arange(first, first + self.local, dtype=np.int64)))
         return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 

@@ -50,6 +50,8 @@ class StepLog:
             return
         floor = f" (floor {self.floor:.3f})" if self.floor is not None else ""
         info = f"loss {record['loss']:.4f}{floor}  {record['tokens_per_s']:.0f} tok/s"
+        if record.get("val_loss") is not None:
+            info += f"  val {record['val_loss']:.4f} (ppl {record['val_ppl']:.2f})"
         if self.progress:
             self.progress.update(self.task, completed=record["step"], info=info)
         else:

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
 )
 
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.mutations import drop_microbatch_grad, mutation
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.train.data import Batch
@@ -199,6 +200,8 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
                               get_mesh=functools.partial(_mesh_named, layout))
         if hasattr(part, "no_sync"):
             _shape_pass_without_sync(stage)
+        if mutation("pp-drop-microbatch-grad") and spec.last:  # TEST-ONLY mutation (e), see parallel/mutations.py
+            drop_microbatch_grad(stage)
         stages.append(stage)
     step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
     cls = SCHEDULES[layout.pp_schedule]

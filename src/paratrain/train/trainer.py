@@ -19,10 +19,12 @@ from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.mutations import mutation, skip_shard_update
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
@@ -41,21 +43,33 @@ def test_loader_delay_s() -> float:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, custom=None):
         """`layout`: the run's Layout (default: resolved from cfg for this world), e.g. a single-device
-        reference inside a multi-rank job (verify)."""
+        reference inside a multi-rank job (verify). `custom`: a user's own model (train/custom.py), not a preset."""
         from paratrain.parallel.checks import check_layout
 
         self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
         layout = layout or resolve_layout(cfg, runtime.world_size)
         self.distributed = layout.world > 1
-        self.args = model_args_for(cfg)
-        check_layout(layout, self.args, cfg.seq_len, cfg.global_batch, runtime.device_type)
+        self.custom = custom
+        if custom is None:
+            self.args = model_args_for(cfg)
+            check_layout(layout, self.args, cfg.seq_len, cfg.global_batch, runtime.device_type)
+        else:
+            self.args = None
+            custom.check(layout, cfg)
         self.layout = layout.with_mesh(runtime.device_type) if self.distributed else layout
 
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
-        model = build_model(self.args, "cpu", seed=cfg.seed).to(runtime.device)
+        model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
+        self.model_name = custom.name if custom else self.args.name
+        self.model_meta = custom.describe(model) if custom else self.args.to_dict()
+        if cfg.init_from:  # into the full model, before any strategy shards it
+            from paratrain.interop.hf_import import load_hf_weights
+
+            load_hf_weights(model, cfg.init_from, self.args)
+        model = model.to(runtime.device)
         if cfg.dtype == "fp8":  # before parallelize, so FSDP and compile see the float8 linears
             from paratrain.train.float8 import convert_to_float8
 
@@ -66,20 +80,29 @@ class Trainer:
         self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
         self.optimizers = self._build_optimizers()
 
-        dataset = make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed)
+        dataset = custom.dataset(cfg) if custom else \
+            make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
         self.floor = dataset.entropy_floor()
+        self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
         dp_rank = self.layout.dp_rank(runtime.rank) if self.distributed else 0
         self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, self.layout.micro_batch)
+        self.validator = None if custom else \
+            build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, self.layout.micro_batch)
+        self.last_val: dict = {}
         self.step = 0
-        self.tokens_per_step = cfg.global_batch * cfg.seq_len
-        self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step
-        # the peak of the precision that actually runs (TF32 or true fp32, bf16, fp8); None where not known
-        self.peak_tflops = device_peak_tflops(runtime.device_type, peak_dtype(cfg.dtype, self.tf32))
-        if runtime.device_type == "cuda" and self.peak_tflops is None and runtime.is_main and not quiet:
+        # a custom model's data function yields samples, not sequences: its "tokens" are samples
+        per_sample = 1 if custom and callable(custom.data) else cfg.seq_len
+        self.tokens_per_step = cfg.global_batch * per_sample
+        self.flops_per_step = flops_per_token(self.args, cfg.seq_len) * self.tokens_per_step if self.args else 0.0
+        # a custom model's FLOPs are unknown: no MFU rather than a wrong one; otherwise the peak of the precision
+        # that actually runs (TF32 or true fp32, bf16, fp8), None where the catalog does not know it
+        self.peak_tflops = None if custom else \
+            device_peak_tflops(runtime.device_type, peak_dtype(cfg.dtype, self.tf32))
+        if runtime.device_type == "cuda" and self.peak_tflops is None and runtime.is_main and not quiet and not custom:
             log.info("MFU unknown: %s has no %s peak in paratrain's GPU catalog (none is borrowed from another GPU)",
                      torch.cuda.get_device_name(runtime.device), peak_dtype(cfg.dtype, self.tf32))
         self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
-        self.fingerprint = ckpt.model_fingerprint(self.args.to_dict())
+        self.fingerprint = ckpt.model_fingerprint(self.model_meta)
         self.last_checkpoint: Path | None = None
         self.phase_timer = None  # per-phase timing hooks, set by doctor/capture.py
 
@@ -87,7 +110,7 @@ class Trainer:
     def _build_step_runner(self, model):
         layout = self.layout
         use_autocast = layout.dtype != "fp32"
-        plan_for = functools.partial(tp_plan_for, tp=layout.tp, sp=layout.sp)
+        plan_for = self.custom.plan_for if self.custom else functools.partial(tp_plan_for, tp=layout.tp, sp=layout.sp)
         if layout.pp_enabled:
             from paratrain.train.pipeline_step import build_pipeline_step
 
@@ -98,19 +121,25 @@ class Trainer:
 
             prepare = sequence_sharder(layout)
         graphs = self.cfg.cuda_graphs  # one GPU (train/precision.py): the whole model, captured
-        # on one device too: AC and compile live there. Under TP the built-in plan keeps the logits vocab-sharded
+        # on one device too: AC and compile live there. Under a built-in TP plan the logits stay vocab-sharded
         # (loss parallel: no all-gather of the logits); the loss then runs under loss_parallel()
-        loss_parallel = layout.tp_enabled
-        model = parallelize(model, layout.replace(compile=False) if graphs else layout,
-                            plan_for(model, loss_parallel=loss_parallel) if layout.tp_enabled else None)
+        loss_parallel = layout.tp_enabled and not self.custom
+        plan = None
+        if layout.tp_enabled:
+            plan = plan_for(model, loss_parallel=True) if loss_parallel else plan_for(model)
+        model = parallelize(model, layout.replace(compile=False) if graphs else layout, plan)
         if graphs:
             from paratrain.parallel.compile import apply_compile
 
             model = apply_compile(model, whole=True, mode="reduce-overhead")
-        loss_fn = lm_loss if self.cfg.loss_chunks == 1 else functools.partial(chunked_lm_loss,
-                                                                               chunks=self.cfg.loss_chunks)
-        # DTensor logits (loss parallel) stay eager: the loss_parallel() context is not traced
-        if (layout.compile or graphs) and not loss_parallel:
+        if self.custom and self.custom.loss_fn:
+            loss_fn = self.custom.loss_fn
+        elif self.cfg.loss_chunks > 1:
+            loss_fn = functools.partial(chunked_lm_loss, chunks=self.cfg.loss_chunks)
+        else:
+            loss_fn = lm_loss
+        # DTensor logits stay eager: the loss_parallel() context is not traced
+        if (layout.compile or graphs) and not layout.tp_enabled:
             loss_fn = compile_loss(loss_fn)
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
                          loss_parallel=loss_parallel, mark_graph_steps=graphs)
@@ -133,7 +162,7 @@ class Trainer:
         return str(self.run_dir / "checkpoints") if (self.run_dir and self.cfg.ckpt_every) else None
 
     def maybe_resume(self) -> None:
-        found = ckpt.resume_from(self.cfg.resume, self.ckpt_dir(), self.state, self.fingerprint, self.args.to_dict())
+        found = ckpt.resume_from(self.cfg.resume, self.ckpt_dir(), self.state, self.fingerprint, self.model_meta)
         if found is None:
             return
         path, manifest = found
@@ -148,7 +177,7 @@ class Trainer:
         extra = {"data": self.source.state_dict()}
         if self.scaler:
             extra["scaler"] = self.scaler.state_dict()
-        meta = {"model_fingerprint": self.fingerprint, "model": self.args.to_dict(), "world_size": self.layout.world,
+        meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
                 "dims": self.layout.degrees(), "strategy": self.cfg.strategy}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
@@ -174,6 +203,8 @@ class Trainer:
                 self.scaler.unscale_(opt)
         pp_group = self.layout.submesh("pp").get_group() if self.layout.pp_enabled else None
         norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
+        if mutation("fsdp-skip-update") and self.layout.fsdp:  # TEST-ONLY mutation (b), see parallel/mutations.py
+            skip_shard_update(self.step_runner.model_parts)
         for opt in self.optimizers:
             if self.scaler:
                 self.scaler.step(opt)
@@ -214,9 +245,11 @@ class Trainer:
             if main else None
         if main and not self.quiet:
             floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
-            log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.args.name,
+            log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.model_name,
                      f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
+        if main and not self.quiet and self.data_tokens is not None:
+            self.log_data()
         prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s())
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
@@ -240,6 +273,10 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                           "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
                           "mem_peak_gib": self.memory_gib()}
+                if self.validator and (self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0)):
+                    val = evaluate(self)
+                    self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
+                    record.update(self.last_val)
                 history.append(record)
                 if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                     steplog.log(record)
@@ -262,7 +299,20 @@ class Trainer:
                 "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
-                "losses": [r["loss"] for r in history]}
+                "losses": [r["loss"] for r in history], **self.last_val, **self.data_summary()}
+
+    def data_summary(self) -> dict:
+        if self.data_tokens is None:
+            return {}
+        return {"data_tokens": self.data_tokens, "epochs": self.step * self.tokens_per_step / self.data_tokens}
+
+    def log_data(self) -> None:
+        """One line: how big the data file is against the run (tokens, documents, steps per epoch)."""
+        docs = self.source.dataset.meta.get("documents") if getattr(self.source.dataset, "meta", None) else None
+        per_epoch = self.data_tokens / self.tokens_per_step
+        log.info("data %s: %s tokens%s; one epoch = %.1f steps of %s tokens (this run: %.2f epochs)",
+                 self.cfg.data, f"{self.data_tokens:,}", f", {docs:,} documents" if docs else "", per_epoch,
+                 f"{self.tokens_per_step:,}", self.cfg.steps / per_epoch)
 
     def out_of_memory(self) -> UserError:
         """Dump the allocator state, then name the snapshot and the planner's fix in one line."""

@@ -34,7 +34,14 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     layout = resolve_layout(cfg, world_size)
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
     check_precision(cfg, layout, device_type)
-    make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed)
+    make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
+    from paratrain.train.evaluate import build_validator
+
+    build_validator(cfg, args.vocab_size)
+    if cfg.init_from:
+        from paratrain.interop.hf_import import check_hf_dir
+
+        check_hf_dir(cfg.init_from, args)
     if cfg.ckpt_every and cfg.ckpt_every > cfg.steps:
         raise UserError(f"--ckpt-every {cfg.ckpt_every} is larger than --steps {cfg.steps}: no checkpoint would be saved")
     return layout

@@ -20,7 +20,8 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format="paratrain: %(message)s", stream=sys.stderr, force=True)
 
 
-def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool) -> dict | None:
+def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None) -> dict | None:
+    """`custom`: a user's own model (train/custom.py CustomModel, or its "FILE.py:FUNCTION" --script spec)."""
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
@@ -31,7 +32,11 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool) -> dict | Non
     trainer, error, summary = None, None, None
     try:
         rt = init_runtime(cfg.device, cfg.timeout_s)
-        trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet)
+        if isinstance(custom, str):
+            from paratrain.train.custom import load_script
+
+            custom = load_script(custom)
+        trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet, custom=custom)
         summary = trainer.fit(on_step=fault_hook())
     except UserError as exc:
         error = str(exc)

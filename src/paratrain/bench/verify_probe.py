@@ -1,0 +1,113 @@
+"""What verify records on each rank after each step: loss, pre-clip grad norm, full gradients before clipping,
+full parameters, and fingerprints of forward activations (to name the first module whose output differs)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# wrapper path components (DDP, torch.compile, activation checkpointing, FSDP1) that are not part of the model
+STRIP = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    # whole components only: replacing the substring "module." would eat "_checkpoint_wrapped_module."
+    return ".".join(part for part in name.split(".") if part not in STRIP)
+
+
+def full_tensors(model_parts, kind: str, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """{fqn: full fp32 CPU tensor} of this rank's parameters (kind="param") or gradients (kind="grad").
+
+    DTensors are gathered with full_tensor(), a collective over their mesh, so every rank holding a shard of the
+    same module must call this in the same order (named_parameters order guarantees it). A Replicate dimension
+    is not communicated: each rank returns its own copy, which is what lets verify compare every replica.
+    """
+    out = {}
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            t = p if kind == "param" else p.grad
+            if t is None:
+                continue
+            t = t.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            t = t.float().cpu().clone()
+            out[clean_name(name)] = t / scale if scale != 1.0 else t
+    return out
+
+
+def fingerprinted(path: str) -> bool:
+    """Top-level modules, each block and the block's direct children (norms, attention, MLP): their outputs are
+    whole or DTensors under every strategy (unlike a column-parallel linear's local output)."""
+    parts = path.split(".") if path else []
+    if parts[:1] == ["layers"]:
+        return len(parts) in (2, 3)
+    return len(parts) == 1
+
+
+def local_fingerprint(output: torch.Tensor, tp_rank: int) -> torch.Tensor | None:
+    """(numel, sum, sum of squares, sum |x|) of the part of `output` this rank alone holds, in float64; None
+    when another rank holds the same values (a Replicate DTensor dim, or a plain tensor on tp rank > 0)."""
+    if hasattr(output, "to_local"):
+        coords = output.device_mesh.get_coordinate() or []
+        if any(p.is_replicate() and c != 0 for p, c in zip(output.placements, coords)):
+            return None
+        x = output.detach().to_local()
+    elif tp_rank != 0:
+        return None
+    else:
+        x = output.detach()
+    x = x.double()
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum(),
+                        x.abs().sum()]).cpu()
+
+
+def _in_backward() -> bool:
+    # activation checkpointing recomputes forwards inside backward: those calls are not new activations
+    return torch._C._current_graph_task_id() != -1
+
+
+class Fingerprints:
+    """Forward hooks that add up each fingerprinted module's output per step (over micro-batches)."""
+
+    def __init__(self, model_parts: list[nn.Module], tp_rank: int):
+        self.tp_rank = tp_rank
+        self.calls: dict[str, list[torch.Tensor]] = {}
+        self.order: list[str] = []
+        self.handles = []
+        for part in model_parts:
+            seen = set()
+            for name, module in part.named_modules():
+                path = clean_name(name)
+                if not fingerprinted(path) or path in seen:
+                    continue
+                seen.add(path)  # the outermost module of that path: wrappers (AC, compile) share it
+                self.handles.append(module.register_forward_hook(self._hook(path)))
+
+    def _hook(self, path: str):
+        def hook(module, args, output):
+            if isinstance(output, (tuple, list)):
+                output = output[0] if output else None
+            if not torch.is_tensor(output) or _in_backward() or not torch.is_grad_enabled():
+                return
+            if path not in self.order:
+                self.order.append(path)
+            stats = local_fingerprint(output, self.tp_rank)
+            if stats is not None:
+                self.calls.setdefault(path, []).append(stats)
+
+        return hook
+
+    def take(self, calls_per_step: int) -> dict[str, list[float]]:
+        """This step's sums, keeping the last `calls_per_step` calls (a pipeline's step 1 adds a forward on
+        placeholder tensors to infer shapes); then start the next step."""
+        out = {}
+        for path, calls in self.calls.items():
+            if calls:
+                out[path] = torch.stack(calls[-calls_per_step:]).sum(0).tolist()
+        self.calls = {}
+        return out
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

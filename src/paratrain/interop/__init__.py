@@ -1,0 +1,1 @@
+"""Interchange with other tools: Hugging Face safetensors directories (export and import of weights)."""

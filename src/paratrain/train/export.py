@@ -1,0 +1,151 @@
+"""`paratrain export CKPT -o DIR`: a DCP checkpoint (any strategy, any world size) -> a Hugging Face directory.
+
+Streaming: tensors are grouped into shards of at most `max_shard_bytes`; for each shard DCP reads only that
+shard's tensors (in one process, whatever layout saved them), they are converted and written, then freed.
+So memory holds one shard's worth of tensors at a time (a single tensor larger than the limit gets a shard
+of its own). Nothing is unpickled: `.metadata` goes through the restricted reader of safe_dcp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from paratrain.errors import UserError
+from paratrain.interop.hf_format import HFTensor, hf_config, hf_tensors
+from paratrain.interop.hf_import import INDEX, SINGLE
+from paratrain.interop.optional import require
+from paratrain.models.llama import ModelArgs
+from paratrain.train.checkpoint import MANIFEST, check_complete, latest_complete, read_manifest
+from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {text!r}: expected a size like 500MB or 2GB")
+    return int(float(m.group(1)) * UNITS[m.group(2) or ""])
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A complete step directory: `path` itself, or the newest complete step-N/ under it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint directory")
+    if (path / MANIFEST).exists() or (path / ".metadata").exists():
+        problem = check_complete(path)
+        if problem:
+            raise UserError(f"{path} is not a complete paratrain checkpoint: {problem}")
+        return path
+    newest = latest_complete(path)
+    if newest is None:
+        raise UserError(f"{path} is not a paratrain checkpoint (no {MANIFEST} and .metadata, "
+                        "and no complete step-N/ inside)")
+    return newest
+
+
+def plan_shards(specs: list[HFTensor], itemsize: int, max_bytes: int) -> list[list[HFTensor]]:
+    shards: list[list[HFTensor]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = itemsize * _numel(spec.shape)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_sources(step_dir: Path, specs: list[HFTensor], args: ModelArgs) -> dict:
+    md = SafeFileSystemReader(step_dir).read_metadata().state_dict_metadata
+    expected = {}
+    for spec in specs:
+        for fqn in spec.sources:
+            entry = md.get(f"model.{fqn}")
+            if entry is None or not hasattr(entry, "size"):
+                raise UserError(f"{step_dir}: tensor model.{fqn} is missing from the checkpoint")
+            expected[fqn] = (tuple(entry.size), entry.properties.dtype)
+    return expected
+
+
+def read_tensors(step_dir: Path, shapes: dict[str, tuple], fqns: list[str]) -> dict[str, torch.Tensor]:
+    """Just these model tensors of the checkpoint, full size, on CPU (DCP reassembles any sharding)."""
+    sd = {"model": {fqn: torch.empty(shapes[fqn][0], dtype=shapes[fqn][1]) for fqn in fqns}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        try:
+            dcp.load(sd, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - corrupt bytes or refused content
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            raise UserError(f"checkpoint {step_dir} is unreadable: {(lines or [type(exc).__name__])[-1][:200]}") from None
+    return sd["model"]
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 10**9,
+                      dtype: str = "fp32") -> dict:
+    safetensors_torch = require("safetensors.torch", "paratrain export")
+    step_dir = find_checkpoint(ckpt)
+    manifest = read_manifest(step_dir)
+    try:
+        args = ModelArgs(**manifest["model"])
+    except (KeyError, TypeError):
+        raise UserError(f"{step_dir}/{MANIFEST} describes no paratrain model preset (a custom model?): "
+                        "export supports the Llama and GPT-2 families") from None
+    specs = hf_tensors(args)
+    shapes = _check_sources(step_dir, specs, args)
+    target = DTYPES[dtype]
+    shards = plan_shards(specs, torch.tensor([], dtype=target).element_size(), max_shard_bytes)
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in list(out.glob("model*.safetensors")) + [out / INDEX]:
+            stale.unlink(missing_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        loaded = read_tensors(step_dir, shapes, [fqn for spec in shard for fqn in spec.sources])
+        tensors = {spec.name: spec.build(*(loaded[f] for f in spec.sources)).to(target).contiguous() for spec in shard}
+        del loaded
+        try:
+            safetensors_torch.save_file(tensors, str(out / name), metadata={"format": "pt"})
+        except OSError as exc:
+            raise UserError(f"cannot write {out / name}: {exc.strerror or exc}") from None
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    if len(shards) > 1:
+        _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config = hf_config(args, dtype)
+    _write_json(out / "config.json", config)
+    return {"checkpoint": str(step_dir), "step": manifest["step"], "out": str(out),
+            "architecture": config["architectures"][0], "shards": len(shards), "tensors": len(weight_map),
+            "bytes": total, "dtype": dtype}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
