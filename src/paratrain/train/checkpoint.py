@@ -37,6 +37,7 @@ log = logging.getLogger("paratrain")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+MAX_STEP = 2**40  # a step or data position beyond this is not from a real run (and would overflow the sampler)
 
 
 def model_fingerprint(model_args: dict) -> str:
@@ -256,8 +257,8 @@ def _manifest_problem(manifest, confined_name) -> str | None:
     if not isinstance(manifest, dict):
         return "not a JSON object"
     step = manifest.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return "'step' is not a non-negative integer"
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        return "'step' is not an integer in 0..2**40"
     files = manifest.get("files")
     if not isinstance(files, dict):
         return "'files' is not a mapping of file names to sizes"
@@ -269,8 +270,8 @@ def _manifest_problem(manifest, confined_name) -> str | None:
     extra = manifest.get("extra")
     data = extra.get("data") if isinstance(extra, dict) else None
     position = data.get("step") if isinstance(data, dict) else None
-    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-        return "'extra.data.step' is not a data position"
+    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= MAX_STEP:
+        return "'extra.data.step' is not a data position (an integer in 0..2**40)"
     if not isinstance(manifest.get("model", {}), dict):
         return "'model' is not a mapping"
     if not isinstance(manifest.get("run_id", ""), str | None):
