@@ -161,7 +161,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script), world, cfg.max_restarts,
                               cfg.timeout_s)
     except UserError:
-        if created:
+        if created and _holds_nothing_new(run_dir):  # never a run dir a step or a save already wrote to
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     if 0 not in results:
@@ -178,6 +178,18 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
         emit_json({k: v for k, v in summary.items() if k != "losses"})
+
+
+def _holds_nothing_new(run_dir: Path) -> bool:
+    """True if the run dir holds only what `train` wrote before any step: config.toml (and an empty
+    metrics.jsonl). A checkpoint, a metrics line or anything else keeps it."""
+    try:
+        entries = {p.name: p for p in run_dir.iterdir()}
+    except OSError:
+        return False
+    metrics = entries.pop("metrics.jsonl", None)
+    entries.pop("config.toml", None)
+    return not entries and (metrics is None or (metrics.is_file() and metrics.stat().st_size == 0))
 
 
 # -- verify --------------------------------------------------------------------------------------------------------
@@ -425,7 +437,11 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
                          max_restarts=3 if restarts is None else restarts, port=port, image=image, k8s_api=k8s_api,
                          namespace=namespace, partition=partition, account=account, time_limit=time_limit,
                          accelerator=accelerator, cloud=cloud)
-    text = render_launch(target, cfg, opts)
+    from paratrain.config import read_toml
+
+    batch_given = train_opts.get("global_batch") is not None or bool(
+        train_opts.get("config") and "global_batch" in read_toml(train_opts["config"]))
+    text = render_launch(target, cfg, opts, batch_given)
     if output is None:
         sys.stdout.write(text)
         return
@@ -436,16 +452,24 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
     log.info("wrote %s (%s, %d node(s) x %d GPU(s))", output, target, nodes, gpus_per_node)
 
 
+def _one_line(exc: object) -> str:
+    """The message on one line: a value echoed from the input may hold a newline or another control."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
+
+
 # -- entry point ---------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
+        for i, arg in enumerate(sys.argv[1:] if argv is None else argv):
+            if "\x00" in str(arg):  # only an in-process caller can pass one (a C argv cannot)
+                raise UserError(f"argument {i + 1} contains a NUL byte")
         code = command.main(args=argv, prog_name="paratrain", standalone_mode=False)
     except UserError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {_one_line(exc)}\n")
         sys.exit(2)
     except CheckFailed as exc:
-        sys.stderr.write(f"failed: {exc}\n")
+        sys.stderr.write(f"failed: {_one_line(exc)}\n")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
@@ -453,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         # click/typer usage errors (vendored or not) carry format_message() and exit_code
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-            sys.stderr.write(f"error: {exc.format_message()}\n")
+            sys.stderr.write(f"error: {_one_line(exc.format_message())}\n")
             sys.exit(exc.exit_code if exc.exit_code else 2)
         if type(exc).__name__ in ("Exit", "Abort") and hasattr(exc, "exit_code"):
             sys.exit(exc.exit_code)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from paratrain.errors import UserError
 from paratrain.parallel.strategies import STRATEGY_TABLE
@@ -18,10 +18,37 @@ from paratrain.parallel.strategies import STRATEGY_TABLE
 STRATEGIES = (*STRATEGY_TABLE, "auto")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 DEFAULT_CONFIG = "tiny-cpu.toml"
+MAX_SEED = 2**32 - 1  # the data hash multiplies the seed in 64-bit arithmetic
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# characters no config string may hold: they would break a path, a shell line or a YAML/TOML line
+_FORBIDDEN = {chr(c) for c in range(32)} | {"\x7f", "\x85", "\u2028", "\u2029"}
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: escapes as the TOML spec does (controls as \\uXXXX)."""
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 32 or ord(ch) == 0x7F or ch in ("\x85", "\u2028", "\u2029"):
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def check_text(label: str, value: str) -> None:
+    """UserError if `value` holds a control or line-break character (NUL, newline, U+2028, ...)."""
+    bad = next((ch for ch in value if ch in _FORBIDDEN), None)
+    if bad is not None:
+        raise UserError(f"{label} contains the control character U+{ord(bad):04X}, which is not allowed")
 
 
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a TOML `seq_len = "16"` or `compile = "off"` is an error, not silently coerced (ints are still
+    # accepted where a float is wanted); no inf/nan anywhere
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     # what to train
     model: str = "tiny"
@@ -35,7 +62,7 @@ class TrainConfig(BaseModel):
     global_batch: int = Field(16, ge=1)
     micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
     steps: int = Field(200, ge=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     # validation (docs/data.md): a held-out file or the tail of the training file, every N steps
     val_data: str | None = None
     val_fraction: float = Field(0.0, ge=0, lt=0.5)
@@ -54,7 +81,7 @@ class TrainConfig(BaseModel):
     ac: Literal["none", "selective", "full"] = "none"
     compile: bool = False
     memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
     max_restarts: int = Field(0, ge=0)
 
     # degrees: None means "derived from the strategy"
@@ -92,6 +119,13 @@ class TrainConfig(BaseModel):
     log_every: int = Field(1, ge=1)
     metrics: bool = True
 
+    @field_validator("*")
+    @classmethod
+    def _printable(cls, value, info):
+        if isinstance(value, str) and any(ch in _FORBIDDEN for ch in value):
+            raise ValueError("contains a control or line-break character")
+        return value
+
     def to_toml(self) -> str:
         lines = ["# paratrain train config (paratrain train --config FILE)"]
         for key, value in self.model_dump().items():
@@ -102,8 +136,7 @@ class TrainConfig(BaseModel):
             elif isinstance(value, int | float):
                 lines.append(f"{key} = {value!r}")
             else:
-                escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-                lines.append(f'{key} = "{escaped}"')
+                lines.append(f"{key} = {toml_string(str(value))}")
         return "\n".join(lines) + "\n"
 
 
@@ -119,7 +152,7 @@ def read_toml(path: str | Path) -> dict:
     p = Path(path)
     try:
         text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise UserError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         data = tomllib.loads(text)

@@ -158,7 +158,7 @@ def container_script(command: list[str]) -> str:
 
 
 def test_trainjob_fields():
-    doc = yaml.safe_load(
+    doc, _policy = yaml.safe_load_all(
         generated(
             "k8s",
             "--nodes",
@@ -185,7 +185,7 @@ def test_trainjob_fields():
 
 
 def test_pytorchjob_fields():
-    doc = yaml.safe_load(
+    doc, _policy = yaml.safe_load_all(
         generated(
             "k8s",
             "--k8s-api",
@@ -254,7 +254,7 @@ def test_skypilot_fields():
         (["slurm", "--nodes", "0"], "--nodes must be at least 1"),
         (["k8s", "--k8s-api", "mpijob"], "--k8s-api must be one of"),
         (["k8s", "--job-name", "Bad_Name"], "job name 'Bad_Name'"),
-        (["slurm", "--nodes", "3", "--gpus-per-node", "1", "--strategy", "ddp"], "not divisible"),
+        (["slurm", "--nodes", "3", "--gpus-per-node", "1", "--strategy", "ddp", "--global-batch", "16"], "not divisible"),
         (["skypilot", "--strategy", "auto"], "--strategy auto"),
     ],
 )

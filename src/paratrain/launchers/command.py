@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.errors import UserError
-from paratrain.launchers.common import DEFAULT_IMAGE, JobSpec, check_job, validate_for_cluster
+from paratrain.launchers.common import (
+    DEFAULT_IMAGE,
+    JobSpec,
+    check_job,
+    check_launch_values,
+    scale_default_batch,
+    validate_for_cluster,
+)
 
 TARGETS = ("slurm", "k8s", "skypilot")
 K8S_APIS = ("trainjob", "pytorchjob")
@@ -28,8 +35,10 @@ class LaunchOptions:
     cloud: str | None = None
 
 
-def render_launch(target: str, cfg, opts: LaunchOptions) -> str:
-    """Validate the run for nodes x gpus_per_node ranks, then render the job (UserError on bad input)."""
+def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = True) -> str:
+    """Validate the run for nodes x gpus_per_node ranks, then render the job (UserError on bad input).
+
+    `batch_given`: the user set the global batch; if not, the default is scaled to the cluster."""
     if target not in TARGETS:
         raise UserError(f"unknown launch target {target!r}; choose one of: {', '.join(TARGETS)}")
     if opts.k8s_api not in K8S_APIS:
@@ -38,6 +47,10 @@ def render_launch(target: str, cfg, opts: LaunchOptions) -> str:
         raise UserError(f"--max-restarts must be at least 0, got {opts.max_restarts}")
     name = opts.job_name or f"paratrain-{cfg.strategy}"
     check_job(opts.nodes, opts.gpus_per_node, name, opts.port)
+    check_launch_values(cfg, {"--partition": opts.partition, "--account": opts.account, "--time": opts.time_limit,
+                              "--image": opts.image, "--namespace": opts.namespace,
+                              "--accelerator": opts.accelerator, "--cloud": opts.cloud})
+    cfg = scale_default_batch(cfg, opts.nodes * opts.gpus_per_node, batch_given)
     validate_for_cluster(cfg, opts.nodes * opts.gpus_per_node)
     job = JobSpec(
         name=name,

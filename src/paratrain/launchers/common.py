@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from paratrain.errors import UserError
 
 CONFIG_ENV = "PARATRAIN_CONFIG_TOML"
-CONFIG_PATH = "/tmp/paratrain-config.toml"
+# the config file a job writes: a fresh private file per job (mktemp), never a fixed /tmp name
+CONFIG_FILE_LINES = ['CONFIG_FILE="$(mktemp -t paratrain-config.XXXXXXXX)"',
+                     f'printf \'%s\\n\' "${CONFIG_ENV}" > "$CONFIG_FILE"']
 DEFAULT_IMAGE = "paratrain:latest"
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -50,6 +52,30 @@ def check_job(nodes: int, gpus_per_node: int, name: str, port: int) -> None:
         raise UserError(f"--port must be 1..65535, got {port}")
 
 
+def scale_default_batch(cfg, world_size: int, given: bool):
+    """The default global batch (16) rarely divides over a cluster's data-parallel ranks: when the user did not
+    set one, round it up to the next size that does (logged); a batch the user set is kept as given."""
+    import logging
+    import math
+
+    from paratrain.parallel.strategies import resolve_degrees
+
+    if given or cfg.strategy == "auto":
+        return cfg
+    degrees = resolve_degrees(cfg.strategy, world_size, {n: getattr(cfg, n) for n in
+                                                         ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    per_rank = math.ceil(cfg.global_batch / dp)
+    step = math.lcm(cfg.micro_batch or 1, cfg.microbatches or 1)
+    per_rank = math.ceil(per_rank / step) * step
+    if per_rank * dp == cfg.global_batch:
+        return cfg
+    logging.getLogger("paratrain").info(
+        "launch: the default global batch %d does not divide over %d data-parallel ranks; using %d (%d per rank). "
+        "Set --global-batch to choose.", cfg.global_batch, dp, per_rank * dp, per_rank)
+    return cfg.model_copy(update={"global_batch": per_rank * dp})
+
+
 def validate_for_cluster(cfg, world_size: int):
     """The same checks as `paratrain train`, for the cluster's world size; the device and a data path
     belong to the cluster, so they are not checked here."""
@@ -78,9 +104,39 @@ def train_args(config_path: str, out: str) -> list[str]:
     return ["-m", "paratrain.cli", "train", "--config", config_path, "--out", out]
 
 
+class ShellWord(str):
+    """A shell word we wrote ourselves, e.g. '"$HEAD_NODE:$PORT"': the only kind shell_join leaves unquoted.
+    Never build one from a user's value."""
+
+
 def shell_join(args: list[str]) -> str:
-    """Join for a shell: arguments holding "$" are written shell-ready by us and kept, the rest quoted."""
-    return " ".join(a if "$" in a else shlex.quote(a) for a in args)
+    """Join for a shell: every argument is quoted, except our own ShellWords (which expand our variables)."""
+    return " ".join(a if isinstance(a, ShellWord) else shlex.quote(a) for a in args)
+
+
+# values that reach a shell line, a #SBATCH directive or a YAML scalar unquoted by their consumer
+_PATTERNS = {
+    "--partition": r"[A-Za-z0-9][A-Za-z0-9_.,:@+-]*",
+    "--account": r"[A-Za-z0-9][A-Za-z0-9_.,:@+-]*",
+    "--time": r"\d+(-\d+)?(:\d+){0,2}|UNLIMITED|INFINITE|unlimited|infinite",
+    "--image": r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*",
+    "--namespace": r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
+    "--accelerator": r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    "--cloud": r"[A-Za-z0-9][A-Za-z0-9._-]*",
+}
+
+
+def check_launch_values(cfg, values: dict[str, str | None]) -> None:
+    """UserError for a launch option that does not look like what it names, or a config string with a
+    control or line-break character (it would end a shell or YAML line)."""
+    from paratrain.config import check_text
+
+    for flag, value in values.items():
+        if value is not None and not re.fullmatch(_PATTERNS[flag], value):
+            raise UserError(f"{flag} {value!r} is not a valid value (expected {_PATTERNS[flag]})")
+    for key, value in cfg.model_dump().items():
+        if isinstance(value, str):
+            check_text(f"config value {key}", value)
 
 
 # -- YAML ----------------------------------------------------------------------------------------------
@@ -94,10 +150,17 @@ def _scalar(value) -> str:
     return json.dumps(str(value))  # a JSON string is a valid YAML double-quoted scalar
 
 
+# YAML breaks lines at these too (and \r), so a literal block holding one would be cut there
+_YAML_BREAKS = ("\r", "\x85", "\u2028", "\u2029")
+
+
 def _block_ok(text: str) -> bool:
-    """Readable as a literal block (|): several lines, no leading blank, no trailing spaces or tabs."""
+    """Readable as a literal block (|): several lines, no leading blank, no trailing spaces or tabs, no
+    control or line-break character other than "\n" (else a JSON-escaped double-quoted scalar is written)."""
     return (
         "\n" in text.rstrip("\n")
+        and not any(c in text for c in _YAML_BREAKS)
+        and all(c == "\n" or c.isprintable() for c in text)
         and not text[:1].isspace()
         and not text.endswith("\n\n")
         and "\t" not in text

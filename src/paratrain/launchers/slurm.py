@@ -1,8 +1,15 @@
-"""`paratrain launch slurm`: an sbatch script; srun starts one torchrun per node, c10d rendezvous on the head node."""
+"""`paratrain launch slurm`: an sbatch script; srun starts one torchrun per node, c10d rendezvous on the head node.
+
+Every value from the user is shell-quoted (the run directory is taken literally: no `$VAR` or `$(...)`
+in it expands); only our own variables are written unquoted (ShellWord).
+"""
 
 from __future__ import annotations
 
-from paratrain.launchers.common import JobSpec, shell_join, torchrun_args, train_args
+import shlex
+
+from paratrain.errors import UserError
+from paratrain.launchers.common import JobSpec, ShellWord, shell_join, torchrun_args, train_args
 
 HEREDOC = "PARATRAIN_CONFIG_EOF"
 
@@ -15,7 +22,7 @@ def render_sbatch(
     cpus_per_gpu: int = 8,
 ) -> str:
     if HEREDOC in job.config_toml:
-        raise ValueError("config text contains the heredoc marker")
+        raise UserError(f"a config value contains {HEREDOC}, the marker that ends the embedded config")
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
@@ -27,13 +34,14 @@ def render_sbatch(
     ]
     directives += [f"--partition={partition}"] if partition else []
     directives += [f"--account={account}"] if account else []
-    out = job.out or f"runs/{job.name}-$SLURM_JOB_ID"
+    # the default names the job id (ours, expanded); a user's directory is one quoted word
+    default_dir = shlex.quote(job.out) if job.out else f'"runs/{job.name}-$SLURM_JOB_ID"'
     launch = [
         *torchrun_args(job.nodes, job.gpus_per_node, job.max_restarts),
         "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$HEAD_NODE:$PORT"',
-        '--rdzv-id="$SLURM_JOB_ID"',
-        *train_args('"$RUN_DIR/launch-config.toml"', '"$RUN_DIR"'),
+        ShellWord('--rdzv-endpoint="$HEAD_NODE:$PORT"'),
+        ShellWord('--rdzv-id="$SLURM_JOB_ID"'),
+        *train_args(ShellWord('"$RUN_DIR/launch-config.toml"'), ShellWord('"$RUN_DIR"')),
     ]
     lines = [
         "#!/bin/bash",
@@ -42,10 +50,11 @@ def render_sbatch(
         *[f"#SBATCH {d}" for d in directives],
         "set -euo pipefail",
         "",
-        f'RUN_DIR="${{PARATRAIN_RUN_DIR:-{out}}}"',
-        f"PORT={job.port}",
+        f"DEFAULT_RUN_DIR={default_dir}",
+        'RUN_DIR="${PARATRAIN_RUN_DIR:-$DEFAULT_RUN_DIR}"',
+        f"PORT={int(job.port)}",
         'HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        'mkdir -p "$RUN_DIR"',
+        'mkdir -p -- "$RUN_DIR"',
         f"cat > \"$RUN_DIR/launch-config.toml\" <<'{HEREDOC}'",
         job.config_toml.rstrip("\n"),
         HEREDOC,

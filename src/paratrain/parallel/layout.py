@@ -202,17 +202,24 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
     # -- mesh ---------------------------------------------------------------------------------------------
-    def with_mesh(self, device_type: str) -> Layout:
-        """This layout plus its DeviceMesh (only dims with degree > 1, and the flattened views strategies use)."""
+    def with_mesh(self, device_type: str, timeout_s: float | None = None) -> Layout:
+        """This layout plus its DeviceMesh (only dims with degree > 1, and the flattened views strategies use).
+
+        Every group of the mesh gets `timeout_s` (default: the default process group's): left alone, torch
+        gives sub-mesh groups its own defaults (30 min gloo, 10 min NCCL), so a stall there would outlast
+        --timeout-s by far.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         names = [n for n in DIM_NAMES if getattr(self, n) > 1] or ["dp_replicate"]
         shape = [getattr(self, n) for n in names]
-        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        override = _group_options(device_type, timeout_s)
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names),
+                                backend_override={n: override for n in names})
         for flat, parts in FLATTENED.items():
             present = tuple(p for p in parts if p in names)
             if len(present) > 1:
-                mesh[present]._flatten(flat)
+                mesh[present]._flatten(flat, backend_override=override)
         log.info("device mesh %s", dict(zip(names, shape)))
         return dataclasses.replace(self, mesh=mesh)
 
@@ -224,3 +231,23 @@ class Layout:
         if self.mesh is None:
             raise RuntimeError("Layout.with_mesh() has not been called")
         return self.mesh[name if len(present) > 1 else present[0]]
+
+
+def _group_options(device_type: str, timeout_s: float | None):
+    """(backend, options) for a mesh group: the run's timeout, which torch's defaults would not carry."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if timeout_s is None:
+        default = dist.distributed_c10d._get_default_group()
+        timeout = default._get_backend(torch.device(device_type)).options._timeout
+    else:
+        timeout = timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        options, backend = dist.ProcessGroupNCCL.Options(), "nccl"
+    else:
+        options, backend = dist.ProcessGroupGloo._Options(), "gloo"
+    options._timeout = timeout
+    return backend, options

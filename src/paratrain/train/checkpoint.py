@@ -37,6 +37,7 @@ log = logging.getLogger("paratrain")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+MAX_STEP = 2**40  # a step or data position beyond this is not from a real run (and would overflow the sampler)
 
 
 def model_fingerprint(model_args: dict) -> str:
@@ -127,7 +128,9 @@ def _file_sizes(directory: Path) -> dict[str, int]:
 
 
 def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, meta: dict, keep: int) -> Path:
-    """Save step N collectively. On failure the previous checkpoints are untouched and UserError is raised."""
+    """Save step N collectively. On failure the previous checkpoints are untouched and UserError is raised.
+
+    `meta["run_id"]` marks the save as this run's: pruning only ever removes this run's checkpoints."""
     root = Path(ckpt_dir)
     final, partial = root / f"step-{step}", root / f"step-{step}.partial"
     rank = _rank()
@@ -167,7 +170,7 @@ def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, m
             shutil.rmtree(partial, ignore_errors=True)
         _raise_save(root, error)
     if rank == 0:
-        prune(root, keep)
+        prune(root, keep, meta.get("run_id"))
     _barrier()
     return final
 
@@ -179,10 +182,46 @@ def _raise_save(root: Path, error: BaseException | None) -> None:
     raise UserError(f"checkpoint save failed{reason}{kept}")
 
 
-def prune(root: Path, keep: int) -> None:
-    complete = [p for p, _ in _step_dirs(root) if check_complete(p) is None]
-    for old in complete[:-keep]:
+def prune(root: Path, keep: int, run_id: str | None = None) -> None:
+    """Keep this run's newest `keep` complete checkpoints; never touch another run's (another run_id)."""
+    ours = [p for p, _ in _step_dirs(root) if check_complete(p) is None and _run_id_of(p) == run_id]
+    for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return read_manifest(path).get("run_id")
+    except UserError:
+        return None
+
+
+def new_run_id() -> str:
+    """An id for this run that every rank agrees on: torch elastic's run id (the same across ranks and
+    restarts), else Slurm's job id, else a random one drawn on rank 0 and broadcast."""
+    import secrets
+
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            return f"{var.split('_')[0].lower()}-{value}"
+    draw = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(draw, src=0)
+    return f"local-{int(draw.item()):016x}"
+
+
+def refuse_foreign_newer(ckpt_dir: str | None, start_step: int, run_id: str) -> None:
+    """A --ckpt-dir whose newest complete checkpoint is another run's (newer than where this run starts)
+    would have this run's saves pruned, overwritten or resumed over: refuse it before training."""
+    if not ckpt_dir:
+        return
+    for path, step in reversed(_step_dirs(Path(ckpt_dir))):
+        if step <= start_step:
+            return
+        if check_complete(path) is None and _run_id_of(path) != run_id:
+            raise UserError(f"--ckpt-dir {ckpt_dir} holds {path.name} from another run, newer than this run's "
+                            f"start (step {start_step}); use a fresh --ckpt-dir, or --resume auto to continue it")
 
 
 def _step_dirs(root: Path) -> list[tuple[Path, int]]:
@@ -193,15 +232,51 @@ def _step_dirs(root: Path) -> list[tuple[Path, int]]:
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest, checked field by field (it comes from disk: a crafted one must not get further)."""
+    from paratrain.train.safe_dcp import confined_name
+
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
-        raise UserError(f"checkpoint {path} has no {MANIFEST} (incomplete save)") from None
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise UserError(f"checkpoint {path} has an unreadable {MANIFEST}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int) or "files" not in manifest:
-        raise UserError(f"checkpoint {path} has a malformed {MANIFEST}")
+        raise BadManifest(f"checkpoint {path} has no {MANIFEST} (incomplete save)", f"no {MANIFEST}") from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        raise BadManifest(f"checkpoint {path} has an unreadable {MANIFEST}", f"unreadable {MANIFEST}") from None
+    problem = _manifest_problem(manifest, confined_name)
+    if problem:
+        raise BadManifest(f"checkpoint {path} has a malformed {MANIFEST}: {problem}", f"malformed {MANIFEST}: {problem}")
     return manifest
+
+
+class BadManifest(UserError):
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _manifest_problem(manifest, confined_name) -> str | None:
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        return "'step' is not an integer in 0..2**40"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "'files' is not a mapping of file names to sizes"
+    for name, size in files.items():
+        if not confined_name(name):
+            return f"file name {name[:80]!r} is not a plain name inside the checkpoint"
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"size of {name!r} is not a non-negative integer"
+    extra = manifest.get("extra")
+    data = extra.get("data") if isinstance(extra, dict) else None
+    position = data.get("step") if isinstance(data, dict) else None
+    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= MAX_STEP:
+        return "'extra.data.step' is not a data position (an integer in 0..2**40)"
+    if not isinstance(manifest.get("model", {}), dict):
+        return "'model' is not a mapping"
+    if not isinstance(manifest.get("run_id", ""), str | None):
+        return "'run_id' is not a string"
+    return None
 
 
 def check_complete(path: Path) -> str | None:
@@ -210,8 +285,8 @@ def check_complete(path: Path) -> str | None:
         return "missing .metadata"
     try:
         manifest = read_manifest(path)
-    except UserError as exc:
-        return str(exc).split(": ", 1)[-1] if ": " in str(exc) else str(exc)
+    except BadManifest as exc:
+        return exc.reason
     for name, size in manifest["files"].items():
         f = path / name
         if not f.is_file():
@@ -328,7 +403,11 @@ def load_params(path: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"cannot read checkpoint {path}: {problem}")
     from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
-    model = build_model(ModelArgs(**read_manifest(path)["model"]), "cpu", seed=None)
+    try:
+        args = ModelArgs(**read_manifest(path)["model"])
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"checkpoint {path} names a model this version cannot build: {_first_line(exc)}") from None
+    model = build_model(args, "cpu", seed=None)
     sd = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")

@@ -101,6 +101,8 @@ class TokenFile:
     def __init__(self, path: str, vocab_size: int, seq_len: int, seed: int = 0, split: tuple[float, float] = (0.0, 1.0),
                  sequential: bool = False):
         p = Path(path)
+        if p.is_dir():
+            raise UserError(f"--data {path} is a directory; give a token .bin file or a text file")
         if not p.is_file():
             raise UserError(f"data file not found: {path}")
         self.meta = None
@@ -216,6 +218,9 @@ class BatchSource:
         self.dp_rank, self.micro_batch = dp_rank, micro_batch
         self.step = 0
 
+    def describe(self) -> str:
+        return getattr(self.dataset, "path", None) or type(self.dataset).__name__
+
     @property
     def accumulation_steps(self) -> int:
         return self.local // self.micro_batch
@@ -246,11 +251,12 @@ class Prefetcher:
     Resumable: `position` counts the steps handed out, not the ones built ahead.
     """
 
-    def __init__(self, source: BatchSource, depth: int = 2, pin: bool = False, delay_s: float = 0.0):
+    def __init__(self, source: BatchSource, depth: int = 2, pin: bool = False, delay_s: float = 0.0,
+                 timeout_s: float | None = None):
         import queue
         import threading
 
-        self.source, self.pin, self.delay_s = source, pin, delay_s
+        self.source, self.pin, self.delay_s, self.timeout_s = source, pin, delay_s, timeout_s
         self.position = source.step
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
@@ -284,10 +290,17 @@ class Prefetcher:
 
     def next_step(self) -> tuple[list[Batch], float]:
         """This step's micro-batches and how long we waited for them (seconds)."""
+        import queue
         import time
 
         t0 = time.perf_counter()
-        step, micro, exc = self.queue.get()
+        try:
+            step, micro, exc = self.queue.get(timeout=self.timeout_s)
+        except queue.Empty:
+            from paratrain.train.faults import RunFailed
+
+            raise RunFailed(f"the data loader produced no batch for step {self.position + 1} within "
+                            f"{self.timeout_s:g} s (--timeout-s); it stalled reading {self.source.describe()}") from None
         waited = time.perf_counter() - t0
         if exc is not None:
             raise exc

@@ -13,7 +13,7 @@ import signal
 import time
 import traceback
 
-from paratrain.errors import UserError
+from paratrain.errors import CheckFailed, UserError
 
 KILL_ENV = "PARATRAIN_FAULT_KILL"
 STALL_ENV = "PARATRAIN_FAULT_STALL"
@@ -33,8 +33,13 @@ _CONTEXT = {
 }
 
 
-class CollectiveFailure(RuntimeError):
-    """A collective timed out or lost a peer: the message names the operation and the step."""
+class CollectiveFailure(CheckFailed, RuntimeError):
+    """A collective timed out or lost a peer: the message names the operation and the step. As a CheckFailed
+    it is one line and exit 1 in-process too (a lone process runs the worker inline)."""
+
+
+class RunFailed(CheckFailed):
+    """The run itself failed, not its input: the loss diverged, the data loader stalled. Exit 1, one line."""
 
 
 def fault_spec(var: str) -> tuple[int, int] | None:

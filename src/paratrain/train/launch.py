@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from paratrain.errors import CheckFailed, UserError
-from paratrain.train.rendezvous import STORE_ENV, in_launched_process
+from paratrain.train.rendezvous import STORE_ENV, in_launched_process, loopback_interface
 
 log = logging.getLogger("paratrain")
 
@@ -35,11 +35,6 @@ def _loopback_store(timeout_s: float):
     store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.fileno(), wait_for_workers=False,
                           multi_tenant=True, timeout=timedelta(seconds=max(timeout_s, 30)))
     return store, sock, port
-
-
-def loopback_interface() -> str | None:
-    names = {name for _, name in socket.if_nameindex()}
-    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def _worker_env(port: int) -> dict[str, str | None]:

@@ -4,10 +4,25 @@ store its process group is built on."""
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 # The workers of our own single-node launcher find the loopback store here ("127.0.0.1:PORT").
 STORE_ENV = "PARATRAIN_STORE"
+
+
+def loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def pin_to_loopback() -> None:
+    """Single node: gloo and NCCL bind to the loopback interface (unless the user chose one). Left alone,
+    gloo binds to whatever the host name resolves to, which may be a public address."""
+    lo = loopback_interface()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if lo and not os.environ.get(var):
+            os.environ[var] = lo
 
 
 def in_launched_process() -> bool:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import UserError
-from paratrain.train.rendezvous import in_launched_process, worker_store
+from paratrain.train.rendezvous import in_launched_process, pin_to_loopback, worker_store
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
     if not in_launched_process():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_loopback_port()))
-        store = dist.HashStore()  # a lone process needs no socket at all
+        store = dist.HashStore()  # a lone process needs no store socket at all
+        pin_to_loopback()  # and its gloo/NCCL listener stays on loopback
     if "SLURM_PROCID" in os.environ and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -25,6 +25,7 @@ from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
+from paratrain.train.faults import RunFailed
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
@@ -58,7 +59,7 @@ class Trainer:
         else:
             self.args = None
             custom.check(layout, cfg)
-        self.layout = layout.with_mesh(runtime.device_type) if self.distributed else layout
+        self.layout = layout.with_mesh(runtime.device_type, cfg.timeout_s) if self.distributed else layout
 
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
@@ -104,6 +105,7 @@ class Trainer:
         self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
         self.fingerprint = ckpt.model_fingerprint(self.model_meta)
         self.last_checkpoint: Path | None = None
+        self.run_id: str | None = None  # set by maybe_resume(): whose checkpoints prune may remove
         self.phase_timer = None  # per-phase timing hooks, set by doctor/capture.py
 
     # -- assembly -----------------------------------------------------------------------------------------
@@ -163,6 +165,9 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         found = ckpt.resume_from(self.cfg.resume, self.ckpt_dir(), self.state, self.fingerprint, self.model_meta)
+        # a resumed run continues its checkpoint's lineage (run_id); a fresh one must not mix with another's
+        self.run_id = (found[1].get("run_id") if found else None) or (ckpt.new_run_id() if self.ckpt_dir() else None)
+        ckpt.refuse_foreign_newer(self.ckpt_dir(), found[1]["step"] if found else 0, self.run_id)
         if found is None:
             return
         path, manifest = found
@@ -174,11 +179,13 @@ class Trainer:
             log.info("resumed from %s (step %d)", path, self.step)
 
     def save_checkpoint(self) -> Path:
+        if self.run_id is None:  # saved without maybe_resume(): a fresh lineage
+            self.run_id = ckpt.new_run_id()
         extra = {"data": self.source.state_dict()}
         if self.scaler:
             extra["scaler"] = self.scaler.state_dict()
         meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
-                "dims": self.layout.degrees(), "strategy": self.cfg.strategy}
+                "dims": self.layout.degrees(), "strategy": self.cfg.strategy, "run_id": self.run_id}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 
@@ -250,7 +257,8 @@ class Trainer:
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
         if main and not self.quiet and self.data_tokens is not None:
             self.log_data()
-        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s())
+        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s(),
+                              timeout_s=cfg.timeout_s)
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
         try:
@@ -263,7 +271,8 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 loss = out["loss"]
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {self.step}")
+                    raise RunFailed(f"loss became {loss} at step {self.step}: training diverged; "
+                                    f"try a lower --lr (now {out['lr']:.3g} at this step, peak {cfg.lr:g})")
                 tokens_per_s = self.tokens_per_step / dt
                 mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.layout.world)
                        if self.peak_tflops else None)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import CheckFailed, UserError
 from paratrain.train.faults import KILL_ENV as FAULT_ENV  # noqa: F401 - kept for callers of the old name
 from paratrain.train.faults import CollectiveFailure, describe_collective_failure, fault_hook
 
@@ -40,6 +40,14 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None) 
         summary = trainer.fit(on_step=fault_hook())
     except UserError as exc:
         error = str(exc)
+    except CollectiveFailure:
+        raise
+    except CheckFailed as exc:  # a failed run (loss diverged, data loader stalled): one line, exit 1
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone, nobody can be blocked on us: clean up
+            trainer = None
+            gc.collect()
+            shutdown()
+        raise CollectiveFailure(str(exc)) from None
     except RuntimeError as exc:
         step = trainer.step + 1 if trainer is not None else 0
         message = describe_collective_failure(exc, rank, step, cfg.timeout_s)
