@@ -1,8 +1,9 @@
 """Issue 19, defect 10: every command of the README's tour runs and exits 0.
 
-The launch commands run exactly as written (and for k8s and skypilot too, as the README says); `env` and
-`--print-config` as written. train, verify and doctor run with small settings: one process (`--nproc 1`),
-2 steps, short sequences, a tiny model. Everything runs in this process, so it stays fast.
+The launch commands run exactly as written (and for k8s and skypilot too, as the README says); `env`,
+`--print-config`, `data prepare` and `export` as written, on what the tour assumes the reader has (a local
+tokenizer and a text file, a run directory runs/x with checkpoints). train, verify and doctor run with
+small settings: one process (`--nproc 1`), 2 steps, short sequences, a tiny model. Everything runs in this process, so it stays fast.
 `plan`, `train --strategy auto` and `bench` cost 10-15 s each even when small (the planner, 3 strategies and
 a plot); the same commands already run in tests/plan/test_plan_cli.py (plan --model llama3-8b as written),
 tests/plan/test_auto_and_calibrate.py and tests/bench/test_bench_scaling.py, so they are not run twice here.
@@ -49,11 +50,25 @@ def small(argv: list[str]) -> list[str]:
 
 def test_the_tour_is_what_this_test_runs():
     commands = [argv[1] for argv in tour()]
-    assert commands == ["env", "train", "train", "verify", "plan", "train", "doctor", "bench", "launch"], commands
+    assert commands == ["env", "train", "train", "verify", "plan", "train", "doctor", "bench", "launch", "data",
+                        "train", "export", "train"], commands
+
+
+def prerequisites(tmp_path: Path) -> None:
+    """What the tour assumes the reader has: a local tokenizer and a text file (`data prepare`), and a run
+    directory with checkpoints at runs/x (`export runs/x/checkpoints`)."""
+    from train.test_prepare import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok", 300)
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 400)
+    code, _, err = run_cli_inproc(["train", "--strategy", "single", "--steps", "2", "--seq-len", "16",
+                                   "--global-batch", "2", "--ckpt-every", "2", "--out", "runs/x"], cwd=tmp_path)
+    assert code == 0, err
 
 
 @pytest.mark.timeout(240)
 def test_every_tour_command_exits_0(tmp_path):
+    prerequisites(tmp_path)
     for argv in tour():
         assert argv[0] == "paratrain"
         argv = argv[1:]
@@ -62,7 +77,7 @@ def test_every_tour_command_exits_0(tmp_path):
         redirect = argv.index(">") if ">" in argv else None
         target = argv[redirect + 1] if redirect is not None else None
         argv = argv[:redirect] if redirect is not None else argv
-        as_written = argv[0] in ("env", "launch") or "--print-config" in argv
+        as_written = argv[0] in ("env", "launch", "data", "export") or "--print-config" in argv
         run = argv if as_written else small(argv)
         code, out, err = run_cli_inproc(run, cwd=tmp_path)
         assert code == 0, f"paratrain {shlex.join(run)}: exit {code}\n{err[-2000:]}"
