@@ -45,6 +45,8 @@ def interpolate(u1: UnitTrace, u2: UnitTrace, b: int) -> UnitTrace:
         ops[k] = [(a[0], _lerp(a[1], c[1], t), _lerp(a[2], c[2], t), a[3], a[4]) for a, c in zip(lst, other)]
     for k, lst in u1.comm.items():
         other = u2.comm[k]
+        if len(other) != len(lst):
+            raise ValueError("collectives differ between micro-batch sizes")
         comm[k] = [(a[0], _lerp(a[1], c[1], t), a[2]) for a, c in zip(lst, other)]
     freed = {k: _lerp(v, u2.exit_freed.get(k, 0), t) for k, v in u1.exit_freed.items()}
     return UnitTrace(micro_batch=b, params=u1.params, param_count=u1.param_count, param_tensors=u1.param_tensors,
@@ -122,7 +124,10 @@ class Composed:
     def __init__(self, key: TraceKey):
         self.key = key
         u1, u2 = unit_trace(unit_key(key, 1)), unit_trace(unit_key(key, 2))
-        self.ut = interpolate(u1, u2, key.micro_batch)
+        try:
+            self.ut = interpolate(u1, u2, key.micro_batch)
+        except ValueError:  # the op sequence depends on the size (ring attention's tiles): trace this size
+            self.ut = unit_trace(unit_key(key, key.micro_batch))
         self._walks: dict = {}
         self._sums: dict = {}
 
