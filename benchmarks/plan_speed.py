@@ -5,7 +5,8 @@
 Each plan runs as a user runs it (`python -m paratrain.cli plan ... --json`, a fresh process, imports included),
 twice: cold (an empty trace cache) and warm (the cache the cold run filled), and then the full search
 (`--search full`: every layout refined, no pruning), warm. The machine's load average is printed with the
-figures: on a shared 2-core machine it moves them. Targets: a plan <= 5 s, a full search <= 30 s.
+figures: on a shared 2-core machine it moves the wall-clock seconds; the CPU seconds of the plan process are
+printed beside them. Targets: a plan <= 5 s, a full search <= 30 s.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -39,16 +41,21 @@ SHAPES = {
 }
 
 
-def run_plan(config: Path, gpu: str, gpus: int, seq: int, batch: int, cache: str, extra: list[str]) -> tuple[float, dict]:
+def run_plan(config: Path, gpu: str, gpus: int, seq: int, batch: int, cache: str,
+             extra: list[str]) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of the plan process, its JSON document)."""
     env = {**os.environ, "PARATRAIN_CACHE": cache, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "paratrain.cli", "plan", "--hf-config", str(config), "--gpu", gpu, "--gpus",
            str(gpus), "--seq-len", str(seq), "--global-batch", str(batch), "--json", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if res.returncode != 0:
         raise RuntimeError(f"plan failed ({res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
-    return seconds, json.loads(res.stdout)
+    return seconds, cpu, json.loads(res.stdout)
 
 
 def main() -> int:
@@ -60,28 +67,31 @@ def main() -> int:
     rows = []
     out = sys.stderr if opts.json else sys.stdout
     out.write(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
-    out.write(f"{'shape':<6} {'params':>9} {'gpu':<9} {'GPUs':>5} {'cold s':>7} {'warm s':>7} {'full s':>7} "
-              f"{'layouts':>8}  best\n")
+    out.write(f"{'shape':<6} {'params':>9} {'gpu':<9} {'GPUs':>5} {'cold s':>7} {'(cpu)':>6} {'warm s':>7} {'(cpu)':>6} "
+              f"{'full s':>7} {'(cpu)':>6} {'layouts':>8}  best\n")
     with tempfile.TemporaryDirectory() as tmp:
         for name in opts.shapes.split(","):
             hf, gpu, gpus, seq, batch = SHAPES[name]
             config = Path(tmp) / f"{name}.json"
             config.write_text(json.dumps({"_name_or_path": f"plan-speed-{name}", **hf}))
             cache = str(Path(tmp) / f"cache-{name}")
-            cold, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
-            warm, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
-            full = None
+            cold, cold_cpu, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
+            warm, warm_cpu, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
+            full = full_cpu = None
             if not opts.no_full:
-                full, _ = run_plan(config, gpu, gpus, seq, batch, cache, ["--search", "full"])
+                full, full_cpu, _ = run_plan(config, gpu, gpus, seq, batch, cache, ["--search", "full"])
             best = doc["candidates"][0] if doc["candidates"] else None
             label = (" ".join(f"{k}={v}" for k, v in best["dims"].items() if v > 1) + f" ac={best['activation_checkpointing']}"
                      if best else "-")
             row = {"shape": name, "params": doc["model"]["params"], "gpu": gpu, "gpus": gpus, "cold_s": cold,
-                   "warm_s": warm, "full_search_s": full, "layouts_examined": doc["layouts_examined"],
+                   "cold_cpu_s": cold_cpu, "warm_s": warm, "warm_cpu_s": warm_cpu, "full_search_s": full,
+                   "full_search_cpu_s": full_cpu, "layouts_examined": doc["layouts_examined"],
                    "fits": doc["fits"], "best": label}
             rows.append(row)
-            out.write(f"{name:<6} {row['params'] / 1e9:>8.2f}B {gpu:<9} {gpus:>5} {cold:>7.2f} {warm:>7.2f} "
-                      f"{full if full is not None else float('nan'):>7.2f} {row['layouts_examined']:>8}  {label}\n")
+            nan = float("nan")
+            out.write(f"{name:<6} {row['params'] / 1e9:>8.2f}B {gpu:<9} {gpus:>5} {cold:>7.2f} {cold_cpu:>6.2f} "
+                      f"{warm:>7.2f} {warm_cpu:>6.2f} {full if full is not None else nan:>7.2f} "
+                      f"{full_cpu if full_cpu is not None else nan:>6.2f} {row['layouts_examined']:>8}  {label}\n")
             out.flush()
     out.write(f"load average at end: {os.getloadavg()[0]:.2f}\n")
     if opts.json:

@@ -113,16 +113,19 @@ def main() -> int:
             sys.stderr.write(f"unknown case(s): {', '.join(sorted(unknown))}\n")
             return 2
         cases = [c for c in cases if c["id"] in wanted]
-    rows = [predict(c) for c in cases]
     out = sys.stderr if opts.json else sys.stdout
     out.write(f"{'case':<46} {'gpu':<9} {'GPUs':>5} {'layout':<11} {'pred s':>8} {'pub s':>8} {'err':>7} "
               f"{'pred tok/s/GPU':>14} {'pub':>8} {'mem pred':>8} {'pub':>6} {'err':>6}\n")
-    for r in rows:
+    rows = []
+    for case in cases:
+        r = predict(case)
+        rows.append(r)
         mem = (f"{r['published_memory_gib']:>6.1f} {r['memory_error']:>+6.0%}" if "published_memory_gib" in r
                else f"{'-':>6} {'-':>6}")
         out.write(f"{r['id']:<46} {r['gpu']:<9} {r['gpus']:>5} {r['kind']:<11} {r['predicted_step_s']:>8.3g} "
                   f"{r['published_step_s']:>8.3g} {r['step_error']:>+7.1%} {r['predicted_tokens_per_s_per_gpu']:>14.4g} "
                   f"{r['published_tokens_per_s_per_gpu']:>8.4g} {r['predicted_memory_gib']:>8.1f} {mem}\n")
+        out.flush()
     errors = [abs(r["step_error"]) for r in rows]
     mem_errors = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
     summary = {"cases": len(rows), "mean_abs_step_error": statistics.mean(errors), "max_abs_step_error": max(errors),

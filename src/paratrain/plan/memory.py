@@ -183,6 +183,13 @@ def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[in
 
 @functools.lru_cache(maxsize=256)
 def _stage_layout(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
+    from paratrain.plan.trace_cache import cached  # a meta model costs seconds of imports: cache the split
+
+    key = {"args": args, "pp": pp, "virtual": virtual, "seq_len": seq_len}
+    return cached("stages", key, lambda: _split(args, pp, virtual, seq_len), lambda doc: [tuple(x) for x in doc])
+
+
+def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
     from paratrain.models.presets import build_model
     from paratrain.parallel.pipeline_split import split_into_stages, stage_ranks
 

@@ -79,12 +79,25 @@ def _factorizations(n: int) -> list[tuple[int, int, int, int, int]]:
 
 @functools.lru_cache(maxsize=64)
 def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
-    """The model family must have a TP plan the runtime can apply (models/plans.py)."""
+    """The model family must have a TP plan the runtime can apply (models/plans.py). Building even a meta model
+    imports torch's compiler stack (seconds), so the answer is cached on disk with the traces."""
+    from paratrain.plan.trace_cache import cached
+
+    problem = cached("tp-plan", {"args": args, "tp": tp, "sp": sp}, lambda: _tp_plan_problem(args, tp, sp),
+                     lambda doc: doc)
+    if problem:
+        raise UserError(problem)
+
+
+def _tp_plan_problem(args: ModelArgs, tp: int, sp: bool) -> str:
     from paratrain.models.plans import tp_plan_for
     from paratrain.models.presets import build_model
 
-    # the plan is per block: one block shows whether it applies (a full-depth model on meta costs seconds)
-    tp_plan_for(build_model(replace(args, n_layers=1), "meta", seed=None), tp, sp=sp)
+    try:  # the plan is per block: one block shows whether it applies
+        tp_plan_for(build_model(replace(args, n_layers=1), "meta", seed=None), tp, sp=sp)
+    except UserError as exc:
+        return str(exc)
+    return ""
 
 
 def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
