@@ -86,3 +86,15 @@ def test_published_runs_are_recorded_with_their_sources():
         assert set(c["model"]) >= {"family", "layers", "dim", "heads", "ffn_dim", "vocab_size", "seq_len"}
         assert {"global_batch", "micro_batch", "precision", "recompute", "layout", "gpus"} <= set(c)
         assert {"step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu"} & set(c["published"])
+
+
+def test_megatron_weak_scaling_7b_layout_fits(tmp_path):
+    """Megatron-Core's published H100 run (GPT 7.1B: 30 layers, hidden 4096, vocab 131072; TP 2 x DP 48, micro-batch
+    1 x 4096, sharded optimizer) fitted nowhere below 128 GPUs before; its per-GPU memory is far below 80 GB."""
+    config = tmp_path / "gpt-7b.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 30, "n_embd": 4096, "n_head": 32, "n_inner": None,
+                                  "vocab_size": 131072, "n_positions": 4096, "tie_word_embeddings": False}))
+    doc = _plan(hf_config=str(config), gpu="h100-sxm", gpus=96, tp=2, dp_shard=48, dp_replicate=1, pp=1, cp=1,
+                seq_len=4096, global_batch=192, micro_batch=1, ac="none", dtype="bf16")
+    best = doc["candidates"][0]
+    assert doc["fits"] and best["feasible"] and best["memory_gib"]["total"] < 60

@@ -307,8 +307,16 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     transfer = max(p2p - p2p_latency, 0.0)
     ramp = 2 * (layout.pp - 1) * p2p_latency
     per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)
-    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls for c in cs)
-                + (2 * transfer + per_mb) * len(cs) for r, cs in ranks.items()}
+    def exposed_transfer(c: ChunkTime) -> float:
+        # on an asynchronous device a stage's send / receive of one micro-batch runs while it computes another
+        # (1F1B's steady state), so only what does not fit under that compute shows; a host-synchronous device
+        # (CPU) waits for each hand-off
+        if not profile.overhead_overlaps:
+            return transfer
+        return max(0.0, transfer - profile.overlap * min(c.fwd, c.bwd))
+
+    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls + 2 * exposed_transfer(c) + per_mb
+                       for c in cs) for r, cs in ranks.items()}
     slot = max(per_rank.values())
     busy, bubble = pipeline_factor(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     slowest = max(per_rank, key=per_rank.get)
