@@ -261,14 +261,17 @@ def search(job: Job, hw: HardwareProfile, fixed: dict,
 
     Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
     screened time, minus what recomputation can cost at most, could still beat the best found are refined.
-    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits.
-    exhaustive: every layout is refined and pipeline layouts always join (`plan --search full`).
+    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits;
+    context-parallel layouts (long sequences) when --cp is given or when nothing else fits.
+    exhaustive: every layout is refined, pipeline and CP layouts always join (`plan --search full`).
     """
     feasible, infeasible = [], []
     bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
     nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
     pp_now = exhaustive or nodes > 1 or (fixed.get("pp") or 1) > 1
-    groups = [[b for b in bases if b.pp == 1 or pp_now], [b for b in bases if b.pp > 1 and not pp_now]]
+    cp_now = exhaustive or (fixed.get("cp") or 1) > 1
+    first = [b for b in bases if (b.pp == 1 or pp_now) and (b.cp == 1 or cp_now)]
+    groups = [first, [b for b in bases if b not in set(first)]]
     usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
     examined = 0
     for group in groups:
