@@ -217,9 +217,16 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
     for index, (rank, part, layers) in enumerate(stages):
         per_rank.setdefault(rank, []).append((index, part, layers))
     best, per_stage = None, []
+    done: dict[tuple[str, int], ChunkMemory] = {}  # stages alike are traced and sized once
+
+    def chunk(part: str, layers: int, rank: int) -> ChunkMemory:
+        if (part, layers) not in done:
+            done[(part, layers)] = chunk_memory(args, layout, part, layers, seq_len, dtype, device_type,
+                                                notes if rank == 0 else [])
+        return done[(part, layers)]
+
     for rank, items in sorted(per_rank.items()):
-        chunks = [chunk_memory(args, layout, part, layers, seq_len, dtype, device_type, notes if rank == 0 else [])
-                  for _, part, layers in items]
+        chunks = [chunk(part, layers, rank) for _, part, layers in items]
         flight = [in_flight(layout.pp_schedule, layout.pp, rank, layout.microbatches, layout.virtual_stages)
                   for _ in items]
         parts = _from_chunks(chunks, flight, layout.microbatches, pipelined=True)

@@ -271,7 +271,8 @@ def search(job: Job, hw: HardwareProfile, fixed: dict,
     pp_now = exhaustive or nodes > 1 or (fixed.get("pp") or 1) > 1
     cp_now = exhaustive or (fixed.get("cp") or 1) > 1
     first = [b for b in bases if (b.pp == 1 or pp_now) and (b.cp == 1 or cp_now)]
-    groups = [first, [b for b in bases if b not in set(first)]]
+    chosen = set(first)
+    groups = [first, [b for b in bases if b not in chosen]]
     usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
     examined = 0
     for group in groups:

@@ -291,9 +291,13 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     stages = stage_layout(args, layout, seq_len)
     ranks: dict[int, list[ChunkTime]] = {}
     io = 0.0
+    done: dict[tuple[str, int], tuple[ChunkTime, TimeEstimate]] = {}  # stages alike are priced once
     for rank, part, layers in stages:
-        share = TimeEstimate()
-        c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m)
+        if (part, layers) not in done:
+            share = TimeEstimate()
+            done[(part, layers)] = (chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type,
+                                               share, m), share)
+        c, share = done[(part, layers)]
         ranks.setdefault(rank, []).append(c)
         if rank == 0:
             est.comm_bytes += share.comm_bytes
