@@ -357,8 +357,11 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
          nodes: Optional[int] = typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))"),
          seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
          global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step (default 16)"),
-         dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
+         dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Hopper)"),
+         compile: bool = typer.Option(False, "--compile", help="the run uses torch.compile (fused elementwise)"),
          top: int = typer.Option(10, "--top", help="candidates to list"),
+         search: str = typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
+                                                             "every layout)"),
          strategy: Optional[str] = typer.Option(None, "--strategy", help="fix the strategy family (e.g. zero3)"),
          dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="fix: data-parallel replicas"),
          dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="fix: data-parallel shards"),
@@ -383,12 +386,13 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout")):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
-    from paratrain.calibrate.run import calibrate_and_save
     from paratrain.plan.command import build_job, format_plan
 
-    opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top")}
+    opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top", "search")}
     opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
     if calibrate:
+        from paratrain.calibrate.run import calibrate_and_save  # only here: it imports the training stack
+
         profile, path = calibrate_and_save(opts)
         log.info("calibrated (%s); saved %s", profile.source, path)
         for note in profile.notes:
@@ -403,7 +407,9 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
     from paratrain.plan.report import plan_document
 
     job, hw, fixed = build_job(opts)
-    doc = plan_document(job, hw, fixed, top=top)
+    if search not in ("fast", "full"):
+        raise UserError(f"--search must be fast or full, got {search!r}")
+    doc = plan_document(job, hw, fixed, top=top, exhaustive=search == "full")
     sys.stderr.write(format_plan(doc))
     if as_json:
         emit_json(doc)

@@ -48,18 +48,18 @@ CATALOG: dict[str, GPUSpec] = {
                        mem_bw_gbs=2039, assumptions=_DGX_A100,
                        source="NVIDIA A100 Tensor Core GPU datasheet (2021), SXM 80GB: same compute as 40GB; "
                               "HBM2e 2,039 GB/s; NVLink 600 GB/s bidirectional"),
-    "h100-sxm": GPUSpec("h100-sxm", {"bf16": 989, "fp16": 989, "fp32": 494, "fp32_simt": 67}, 80, 450, 50,
+    "h100-sxm": GPUSpec("h100-sxm", {"bf16": 989, "fp16": 989, "fp32": 494, "fp32_simt": 67, "fp8": 1979}, 80, 450, 50,
                         mem_bw_gbs=3350, assumptions=_DGX_H100,
                         source="NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 with sparsity = 989 dense, "
-                               "TF32 989 sparse = 494 dense, FP32 67; HBM3 3.35 TB/s; NVLink 900 GB/s bidirectional"),
-    "h100-pcie": GPUSpec("h100-pcie", {"bf16": 756, "fp16": 756, "fp32": 378, "fp32_simt": 51}, 80, 300, 50,
+                               "TF32 989 sparse = 494 dense, FP32 67, FP8 3,958 sparse = 1,979 dense; HBM3 3.35 TB/s; NVLink 900 GB/s bidirectional"),
+    "h100-pcie": GPUSpec("h100-pcie", {"bf16": 756, "fp16": 756, "fp32": 378, "fp32_simt": 51, "fp8": 1513}, 80, 300, 50,
                          mem_bw_gbs=2000, assumptions=_DGX_H100 + "; intra-node via NVLink bridge",
                          source="NVIDIA H100 Tensor Core GPU datasheet, PCIe: BF16 1,513 sparse = 756 dense, TF32 756 "
-                                "sparse = 378 dense, FP32 51; HBM2e 2 TB/s; NVLink bridge 600 GB/s bidirectional"),
-    "h200": GPUSpec("h200", {"bf16": 989, "fp16": 989, "fp32": 494, "fp32_simt": 67}, 141, 450, 50,
+                                "sparse = 378 dense, FP32 51, FP8 3,026 sparse = 1,513 dense; HBM2e 2 TB/s; NVLink bridge 600 GB/s bidirectional"),
+    "h200": GPUSpec("h200", {"bf16": 989, "fp16": 989, "fp32": 494, "fp32_simt": 67, "fp8": 1979}, 141, 450, 50,
                     mem_bw_gbs=4800, assumptions=_DGX_H100,
                     source="NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 sparse = 989 dense, TF32 494 "
-                           "dense, FP32 67; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional"),
+                           "dense, FP32 67, FP8 3,958 sparse = 1,979 dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional"),
     "a6000": GPUSpec("a6000", {"bf16": 154.8, "fp16": 154.8, "fp32": 77.4, "fp32_simt": 38.7}, 48, 32, 12.5,
                      mem_bw_gbs=768, assumptions=_PCIE_BOX + " (an NVLink bridge joins only pairs: 56 GB/s)",
                      source="NVIDIA RTX A6000 datasheet: BF16/FP16 tensor 309.7 sparse = 154.8 dense (FP32 "

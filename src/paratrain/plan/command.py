@@ -94,8 +94,8 @@ def fixed_choices(o: dict) -> dict:
 def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
     args, name = resolve_model(o.get("model"), o.get("hf_config"))
     dtype = o.get("dtype") or "bf16"
-    if dtype not in ("bf16", "fp16", "fp32"):
-        raise UserError(f"--dtype must be bf16, fp16 or fp32, got {dtype!r}")
+    if dtype not in ("bf16", "fp16", "fp32", "fp8"):
+        raise UserError(f"--dtype must be bf16, fp16, fp32 or fp8, got {dtype!r}")
     if o.get("gpus") is None or o["gpus"] < 1:
         raise UserError("--gpus N (>= 1) is required")
     hw = resolve_hardware(o, dtype)
@@ -107,8 +107,13 @@ def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
     batch = o.get("global_batch") or max(16, o["gpus"])
     device = "cpu" if hw.gpu.name == "cpu" else "cuda"
     job = Job(args=args, model_name=name, gpus=o["gpus"], seq_len=seq, global_batch=batch, dtype=dtype,
+              hf_config=o.get("hf_config"), compile=bool(o.get("compile")),
               device_type=device)
     return job, hw, fixed_choices(o)
+
+
+def _short(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def format_plan(doc: dict) -> str:
@@ -120,8 +125,9 @@ def format_plan(doc: dict) -> str:
              f"  hardware: {c['profile']}", f"  cluster: {c['assumptions']}"]
     if not doc["fits"]:
         lines.append("  " + doc["message"])
-    header = f"  {'#':>2} {'strategy':<10} {'dims':<34} {'mb x n':>7} {'ac':<9} {'mem GiB':>8} {'step s':>8} " \
-             f"{'tok/s/dev':>10} {'MFU':>6}  fits"
+    header = (f"  {'#':>2} {'strategy':<10} {'dims':<30} {'mb x n':>7} {'ac':<9} {'mem GiB':>7} "
+              f"{'= par':>6} {'grad':>5} {'opt':>5} {'act':>5} {'oth':>5} {'step s':>8} {'= comp':>7} {'tp':>6} "
+              f"{'cp':>6} {'dp':>6} {'pp':>6} {'bubble':>6} {'tok/s/dev':>9} {'MFU':>6}  fits")
     lines.append(header)
     for i, cand in enumerate(doc["candidates"]):
         dims = " ".join(f"{k}={v}" for k, v in cand["dims"].items() if v > 1) or "-"
@@ -129,13 +135,20 @@ def format_plan(doc: dict) -> str:
             dims += f" {cand['cp_impl']}"
         if cand.get("pp_schedule"):
             dims += f" {cand['pp_schedule']}"
+        mem = cand["memory_gib"] or {}
+        parts = " ".join(f"{mem.get(k, math.nan):>5.1f}" for k in ("params", "grads", "optimizer", "activations",
+                                                                   "other"))
+        t = cand.get("time_breakdown_s") or {}
+        times = " ".join(f"{_short(t.get(k)):>6}" for k in ("tp_comm_s", "cp_comm_exposed_s", "dp_comm_exposed_s",
+                                                            "pp_comm_exposed_s", "bubble"))
         step = f"{cand['step_time_s']:.3g}" if cand["step_time_s"] else "-"
         tps = f"{cand['tokens_per_s_per_device']:.4g}" if cand["tokens_per_s_per_device"] else "-"
         mfu = f"{cand['mfu']:.1%}" if cand.get("mfu") is not None else "-"
-        mem = cand["memory_gib"]["total"] if cand["memory_gib"] else math.nan
-        lines.append(f"  {i:>2} {cand['strategy']:<10} {dims:<34} {cand['micro_batch']:>3}x{cand['microbatches']:<3} "
-                     f"{cand['activation_checkpointing']:<9} {mem:>8.2f} {step:>8} {tps:>10} {mfu:>6}  "
-                     f"{'yes' if cand['feasible'] else 'no'}")
+        lines.append(f"  {i:>2} {cand['strategy']:<10} {dims:<30} {cand['micro_batch']:>3}x{cand['microbatches']:<3} "
+                     f"{cand['activation_checkpointing']:<9} {mem.get('total', math.nan):>7.2f} {parts} {step:>8} "
+                     f"{_short(t.get('compute')):>7} {times} {tps:>9} {mfu:>6}  {'yes' if cand['feasible'] else 'no'}")
+    lines.append("  memory: params / grads / optimizer / activations / other at the peak; time: compute, then the "
+                 "exposed TP, CP, DP and pipeline communication and the bubble, in seconds per step")
     if doc["candidates"]:
         first = doc["candidates"][0]
         lines.append("  why #0:" if doc["fits"] else "  closest (#0):")

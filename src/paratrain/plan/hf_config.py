@@ -24,7 +24,9 @@ def _need(doc: dict, key: str, path: str):
 
 def args_from_hf_config(doc: dict, path: str = "config.json") -> ModelArgs:
     kind = doc.get("model_type")
-    name = str(doc.get("_name_or_path") or Path(path).parent.name or kind or "hf-model") or "hf-model"
+    # the model's own name when the config records it; else the file (a folder's name is no model name: a
+    # config in /tmp would be called "tmp")
+    name = str(doc.get("_name_or_path") or path)
     if kind == "gpt2":
         dim = _need(doc, "n_embd", path)
         inner = doc.get("n_inner")

@@ -32,6 +32,8 @@ class CommLog:
     phase: str = "fwd"  # set by the tracer: which pass is running now
     op_weight: int = 1  # ops run now stand for this many identical ones (a loop traced once)
     dtensor: set | None = None  # storages that would be DTensors under TP (their ops pay DTensor dispatch)
+    unit: str = "pre"  # the model unit running now (units.py): pre | block | head
+    by_unit: dict = field(default_factory=dict)  # "unit/fwd|bwd" -> collectives issued there
 
     def tag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
@@ -49,7 +51,9 @@ class CommLog:
         when the forward runs (a recomputation in the backward issues only the forward ones again)."""
         if not self.active or (mirrored and self.phase == "bwd"):
             return
-        (self.bwd if mirrored or self.phase == "bwd" else self.fwd).append((kind, int(nbytes), group))
+        phase = "bwd" if mirrored or self.phase == "bwd" else "fwd"
+        (self.bwd if phase == "bwd" else self.fwd).append((kind, int(nbytes), group))
+        self.by_unit.setdefault(f"{self.unit}/{phase}", []).append((kind, int(nbytes), group))
 
     @contextlib.contextmanager
     def simulating(self):

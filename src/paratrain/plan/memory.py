@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.layout import Layout
-from paratrain.plan.trace import PhasePeak, Trace, TraceKey, trace
+from paratrain.plan.compose import Composed
+from paratrain.plan.trace import PhasePeak, TraceKey, trace
 
 GIB = 2**30
 
@@ -73,10 +74,10 @@ class ChunkMemory:
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
     return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
                     sp=layout.sp and layout.tp > 1, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
-                    dtype=dtype, device_type=device_type)
+                    dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type)  # fp8: bf16 activations
 
 
-def _autocast_weight_copies(tr: Trace, layers: int, dtype: str) -> float:
+def _autocast_weight_copies(tr: Composed, layers: int, dtype: str) -> float:
     """Autocast keeps a low-precision copy of every matmul weight from forward to backward; FSDP's bf16 policy
     gathers bf16 weights instead, so these copies are not made there."""
     if dtype == "fp32":
@@ -95,10 +96,10 @@ def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_le
     grads_live, extra = float(fb.grads), 0.0
     if layout.fsdp:
         f = layout.shard_degree
-        mixed = dtype == "bf16"
+        mixed = dtype in ("bf16", "fp8")
         per_param = 2.0 if mixed else 4.0  # FSDP's unsharded copies are in the mixed-precision param dtype
         unsharded_all = P / 4.0 * per_param
-        per_block = (tr.hi.params - tr.lo.params) / max(tr.hi.layers - tr.lo.layers, 1) / 4.0 * per_param
+        per_block = tr.per_block_params() / 4.0 * per_param
         head = part in ("whole", "last")
         if layout.zero_stage == 2:
             held = unsharded_all  # reshard_after_forward=False: every gathered parameter waits for backward
@@ -136,8 +137,8 @@ def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_le
             opt_rest /= layout.dp
     fb = PhasePeak(total=0, params=P, grads=grads_live, optimizer=OPT, rest=fb.rest)
     return ChunkMemory(params=P, optimizer=OPT, grads=G, act_per_mb=A, fb=fb,
-                       opt_rest=opt_rest, extra=extra, io_in=tr.lo.io_bytes if part in ("middle", "last") else 0,
-                       io_out=tr.lo.io_bytes if part in ("first", "middle") else 0)
+                       opt_rest=opt_rest, extra=extra, io_in=tr.io_bytes if part in ("middle", "last") else 0,
+                       io_out=tr.io_bytes if part in ("first", "middle") else 0)
 
 
 def _from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbatches: int, pipelined: bool) -> dict:
@@ -182,6 +183,13 @@ def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[in
 
 @functools.lru_cache(maxsize=256)
 def _stage_layout(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
+    from paratrain.plan.trace_cache import cached  # a meta model costs seconds of imports: cache the split
+
+    key = {"args": args, "pp": pp, "virtual": virtual, "seq_len": seq_len}
+    return cached("stages", key, lambda: _split(args, pp, virtual, seq_len), lambda doc: [tuple(x) for x in doc])
+
+
+def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
     from paratrain.models.presets import build_model
     from paratrain.parallel.pipeline_split import split_into_stages, stage_ranks
 
@@ -209,9 +217,16 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
     for index, (rank, part, layers) in enumerate(stages):
         per_rank.setdefault(rank, []).append((index, part, layers))
     best, per_stage = None, []
+    done: dict[tuple[str, int], ChunkMemory] = {}  # stages alike are traced and sized once
+
+    def chunk(part: str, layers: int, rank: int) -> ChunkMemory:
+        if (part, layers) not in done:
+            done[(part, layers)] = chunk_memory(args, layout, part, layers, seq_len, dtype, device_type,
+                                                notes if rank == 0 else [])
+        return done[(part, layers)]
+
     for rank, items in sorted(per_rank.items()):
-        chunks = [chunk_memory(args, layout, part, layers, seq_len, dtype, device_type, notes if rank == 0 else [])
-                  for _, part, layers in items]
+        chunks = [chunk(part, layers, rank) for _, part, layers in items]
         flight = [in_flight(layout.pp_schedule, layout.pp, rank, layout.microbatches, layout.virtual_stages)
                   for _ in items]
         parts = _from_chunks(chunks, flight, layout.microbatches, pipelined=True)

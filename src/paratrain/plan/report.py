@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import GIB
@@ -14,6 +15,7 @@ from paratrain.plan.search import (
     model_states_floor,
     search,
     smallest_gpu_count,
+    with_time,
 )
 
 log = logging.getLogger("paratrain")
@@ -95,19 +97,25 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate) -> dict:
         "time_breakdown_s": {"compute": t.compute_s, "communication_exposed": t.comm_exposed_s,
                              "bubble": t.bubble_s, **{k: v for k, v in t.breakdown.items()
                                                       if isinstance(v, float)}} if t else None,
-        "feasible": cand.feasible, "reasons": explain(job, hw, cand),
+        "feasible": cand.feasible, "reasons": explain(job, hw, cand) + cand.reasons,
         "notes": cand.memory.notes if cand.memory else [],
-        "command": "paratrain train " + " ".join(["--model", job.model_name,
+        "command": "paratrain train " + " ".join([*job.model_flags(),
                                                   *lay.train_args(job.seq_len, job.global_batch)]),
     }
 
 
-def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10) -> dict:
+def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exhaustive: bool = False) -> dict:
     from paratrain.models.presets import count_params
 
-    feasible, infeasible, examined = search(job, hw, fixed)
+    feasible, infeasible, examined = search(job, hw, fixed, exhaustive)
     doc_candidates = [candidate_doc(job, hw, c) for c in feasible[:top]]
-    doc_candidates += [candidate_doc(job, hw, c) for c in infeasible[:max(0, top - len(doc_candidates)) or 3]]
+    listed = infeasible[:max(0, top - len(doc_candidates)) or 3]
+    for cand in listed:  # layouts that do not fit still say how fast they would run
+        try:
+            with_time(job, hw, cand)
+        except (UserError, ValueError) as exc:
+            cand.reasons.append(f"no step time: {exc}")
+    doc_candidates += [candidate_doc(job, hw, c) for c in listed]
     gpu = hw.gpu
     nodes = math.ceil(job.gpus / gpu.gpus_per_node)
     doc = {

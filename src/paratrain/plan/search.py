@@ -34,6 +34,16 @@ class Job:
     dtype: str = "bf16"
     device_type: str = "cuda"
     mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
+    hf_config: str | None = None  # the model came from this config.json (not a preset)
+    compile: bool = False  # torch.compile (time model: fused memory-bound ops)
+
+    def layout_options(self) -> dict:
+        """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
+        return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
+
+    def model_flags(self) -> list[str]:
+        """How `paratrain train` names this model: the preset, or the config file it was read from."""
+        return ["--hf-config", self.hf_config] if self.hf_config else ["--model", self.model_name]
 
     @property
     def flops_per_token(self) -> float:
@@ -69,11 +79,25 @@ def _factorizations(n: int) -> list[tuple[int, int, int, int, int]]:
 
 @functools.lru_cache(maxsize=64)
 def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
-    """The model family must have a TP plan the runtime can apply (models/plans.py)."""
+    """The model family must have a TP plan the runtime can apply (models/plans.py). Building even a meta model
+    imports torch's compiler stack (seconds), so the answer is cached on disk with the traces."""
+    from paratrain.plan.trace_cache import cached
+
+    problem = cached("tp-plan", {"args": args, "tp": tp, "sp": sp}, lambda: _tp_plan_problem(args, tp, sp),
+                     lambda doc: doc)
+    if problem:
+        raise UserError(problem)
+
+
+def _tp_plan_problem(args: ModelArgs, tp: int, sp: bool) -> str:
     from paratrain.models.plans import tp_plan_for
     from paratrain.models.presets import build_model
 
-    tp_plan_for(build_model(args, "meta", seed=None), tp, sp=sp)
+    try:  # the plan is per block: one block shows whether it applies
+        tp_plan_for(build_model(replace(args, n_layers=1), "meta", seed=None), tp, sp=sp)
+    except UserError as exc:
+        return str(exc)
+    return ""
 
 
 def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
@@ -125,7 +149,7 @@ def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
                 sched = fixed["pp_schedule"]
                 v = fixed.get("virtual_stages") or (2 if sched in ("interleaved-1f1b", "zero-bubble") else 1)
             out.append(Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, zero_stage=stage, sp=sp,
-                              cp_impl=impl, pp_schedule=sched, virtual_stages=v, dtype=job.dtype))
+                              cp_impl=impl, pp_schedule=sched, virtual_stages=v, **job.layout_options()))
     return list(dict.fromkeys(out))
 
 
@@ -151,7 +175,13 @@ def evaluate(job: Job, hw: HardwareProfile, lay: Layout) -> Candidate:
     mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type)
     cand.memory = mem
     cand.feasible = mem.total <= budget
-    if cand.feasible:
+    return with_time(job, hw, cand)
+
+
+def with_time(job: Job, hw: HardwareProfile, cand: Candidate) -> Candidate:
+    """Step time, tokens/s and MFU, for layouts that do not fit too (how fast it would be with more memory)."""
+    if cand.time is None:
+        lay = cand.layout
         cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type)
         tokens = job.global_batch * job.seq_len
         cand.tokens_per_s_per_device = tokens / cand.time.step_s / lay.world
@@ -225,18 +255,24 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
     return grow(job, hw, best, fixed)
 
 
-def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate], list[Candidate], int]:
+def search(job: Job, hw: HardwareProfile, fixed: dict,
+           exhaustive: bool = False) -> tuple[list[Candidate], list[Candidate], int]:
     """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined).
 
     Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
     screened time, minus what recomputation can cost at most, could still beat the best found are refined.
-    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits.
+    Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits;
+    context-parallel layouts (long sequences) when --cp is given or when nothing else fits.
+    exhaustive: every layout is refined, pipeline and CP layouts always join (`plan --search full`).
     """
     feasible, infeasible = [], []
     bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
     nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
-    pp_now = nodes > 1 or (fixed.get("pp") or 1) > 1
-    groups = [[b for b in bases if b.pp == 1 or pp_now], [b for b in bases if b.pp > 1 and not pp_now]]
+    pp_now = exhaustive or nodes > 1 or (fixed.get("pp") or 1) > 1
+    cp_now = exhaustive or (fixed.get("cp") or 1) > 1
+    first = [b for b in bases if (b.pp == 1 or pp_now) and (b.cp == 1 or cp_now)]
+    chosen = set(first)
+    groups = [first, [b for b in bases if b not in chosen]]
     usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
     examined = 0
     for group in groups:
@@ -263,7 +299,7 @@ def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate],
         best_time = math.inf
         for cand in screened:
             bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
-            if bound < best_time:
+            if exhaustive or bound < best_time:
                 cand = refine(job, hw, cand, fixed)
             best_time = min(best_time, cand.time.step_s)
             feasible.append(cand)
@@ -272,29 +308,34 @@ def search(job: Job, hw: HardwareProfile, fixed: dict) -> tuple[list[Candidate],
     return feasible, infeasible, examined
 
 
-def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536) -> tuple[int, Candidate] | None:
-    """The fewest GPUs on which some memory-frugal layout fits (FSDP, full AC, micro-batch 1, TP/PP as needed)."""
-    from dataclasses import replace
-
-
+def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536,
+                       max_evaluations: int = 24) -> tuple[int, Candidate] | None:
+    """The fewest GPUs on which a memory-frugal layout fits (FSDP over the data-parallel ranks, full AC,
+    micro-batch 1, TP/PP as needed). Degrees the user fixed stay fixed; CP only where it was fixed. Counts whose
+    model states alone overflow are skipped without a trace; at most `max_evaluations` layouts are evaluated."""
     gpn = hw.gpu.gpus_per_node
     counts = sorted({2 ** i for i in range(17)} | {gpn * k for k in range(1, limit // max(gpn, 1) + 1)})
     usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
-    for n in (c for c in counts if c > job.gpus and c <= limit):
+    cp = fixed.get("cp") or 1
+    evaluations = 0
+    for n in (c for c in counts if job.gpus < c <= limit):
         trial = replace(job, gpus=n)
-        for tp in (t for t in (1, 2, 4, 8) if t <= min(gpn, n)):
-            for p in (q for q in (1, 2, 4, 8, 16, 32) if n % (tp * q) == 0):
-                rest = n // (tp * p)
-                dp = math.gcd(rest, job.global_batch)
-                cp = rest // dp
-                if dp < 2 and cp < 2 and rest > 1:
-                    continue
-                lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full",
-                             micro_batch=1, microbatches=job.global_batch // dp, pp_schedule="1f1b",
-                             dtype=job.dtype)
-                if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
-                    continue
-                cand = evaluate(trial, hw, replace(lay))
-                if cand.feasible:
-                    return n, cand
+        tps = [fixed["tp"]] if fixed.get("tp") else [t for t in (1, 2, 4, 8) if t <= min(gpn, n)]
+        pps = [fixed["pp"]] if fixed.get("pp") else [1, 2, 4, 8, 16, 32, 64]
+        for tp, p in itertools.product(tps, pps):
+            if n % (tp * p * cp):
+                continue
+            dp = n // (tp * p * cp)
+            if job.global_batch % dp:
+                continue
+            lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full", micro_batch=1,
+                         microbatches=job.global_batch // dp, pp_schedule="1f1b", sp=tp > 1, **job.layout_options())
+            if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
+                continue
+            cand = evaluate(trial, hw, lay)
+            evaluations += 1
+            if cand.feasible:
+                return n, cand
+            if evaluations >= max_evaluations:
+                return None
     return None

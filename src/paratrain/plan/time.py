@@ -26,9 +26,10 @@ from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.collectives import collective_time, wire_bytes
+from paratrain.plan.compose import Composed
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import stage_layout, trace_key
-from paratrain.plan.trace import Trace, trace
+from paratrain.plan.trace import trace
 
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -72,13 +73,25 @@ def matmul_rate(profile: HardwareProfile, dtype: str, flops: float) -> float:
     return profile.dtype_tflops[dtype] * 1e12
 
 
-def op_cost(profile: HardwareProfile, dtype: str, phase: str):
+# FP8 training (torchao float8 linears, dynamic scaling): matmuls run at the FP8 peak; each one first finds its
+# operands' amax and casts them to fp8 (reads the bf16 operand, writes an fp8 copy): about half the matmul's
+# bf16 traffic again, as memory-bound work. Attention and everything else stay bf16.
+FP8_CAST_TRAFFIC = 0.5
+# torch.compile fuses chains of elementwise / norm / cast ops into one kernel that reads its inputs and writes its
+# outputs once: the memory-bound ops' traffic is taken as halved (a documented factor; no lent GPU measured it)
+COMPILE_MEMORY_BOUND_FACTOR = 0.5
+
+
+def op_cost(profile: HardwareProfile, dtype: str, phase: str, compiled: bool = False):
     """cost(kind, flops, bytes) -> seconds, for ops of one phase (fwd / bwd / opt)."""
     bw = profile.mem_bw_gbs * 1e9
+    fp8 = dtype == "fp8" and phase != "opt"
+    fused = COMPILE_MEMORY_BOUND_FACTOR if compiled and phase != "opt" else 1.0
     overhead = profile.op_overhead_us.get(phase, 0.0) * 1e-6
     view = profile.op_overhead_us.get("view", 0.0) * 1e-6
     # in autocast, matmuls run in the low-precision dtype; the optimizer works on fp32 state
     mm_dtype = "fp32" if phase == "opt" else dtype
+    attn_dtype = "bf16" if fp8 else mm_dtype
 
     dtensor_op = profile.framework_us.get("dtensor_op", 0.0) * 1e-6
     scale = profile.compute_scale
@@ -91,10 +104,12 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str):
         memory = nbytes / bw
         if kind == "mm":
             work = max(flops / matmul_rate(profile, mm_dtype, flops), memory)
+            if fp8:
+                work += fused * FP8_CAST_TRAFFIC * memory
         elif kind == "attn":
-            work = max(flops / (matmul_rate(profile, mm_dtype, flops) * profile.attention_tflops_fraction), memory)
+            work = max(flops / (matmul_rate(profile, attn_dtype, flops) * profile.attention_tflops_fraction), memory)
         else:
-            work = memory
+            work = fused * memory
         if profile.overhead_overlaps:
             return scale * max(work, overhead) + host
         return scale * work + overhead_scale * overhead + host
@@ -102,11 +117,11 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str):
     return cost
 
 
-def cost_key(profile: HardwareProfile, dtype: str) -> tuple:
+def cost_key(profile: HardwareProfile, dtype: str, compiled: bool = False) -> tuple:
     """Everything op_cost reads, as a key: traces cache their op sums under it (a profile being fitted changes
     in place, and one object's id may be reused by the next)."""
     curve = tuple(tuple(map(tuple, profile.matmul_curve.get(d, ()))) for d in sorted(profile.matmul_curve))
-    return (dtype, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
+    return (dtype, compiled, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
             profile.overhead_scale,
             profile.framework_us.get("dtensor_op", 0.0), profile.overhead_overlaps, profile.attention_tflops_fraction,
             tuple(sorted(profile.dtype_tflops.items())), curve)
@@ -120,15 +135,16 @@ class ChunkTime:
     tp_exposed: float  # per micro-batch, forward + backward
     cp_comm: float  # per micro-batch ring p2p / Ulysses all-to-all transfer time
     cp_calls: float  # per micro-batch fixed cost of those calls (never hidden)
-    tr: Trace
+    tr: Composed
     layers: int
 
 
 def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
                dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
-    key = cost_key(profile, dtype)  # op_sum caches per (phase, key)
-    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase), key) for phase in ("fwd", "bwd", "opt"))
+    key = cost_key(profile, dtype, layout.compile)  # op_sum caches per (phase, key)
+    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase, layout.compile), key)
+                     for phase in ("fwd", "bwd", "opt"))
     gpn = profile.gpu.gpus_per_node
     # context parallelism's own cost per call (its Python and waits around each collective; fitted, fit.py)
     cp_call = {"p2p": profile.framework_us.get("cp_p2p_call", 0.0) * 1e-6,
@@ -137,15 +153,15 @@ def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: 
     sp_call = profile.framework_us.get("sp_call", 0.0) * 1e-6
     tp_t = cp_t = cp_fixed = 0.0
     for phase in ("fwd", "bwd"):
-        for kind, payload, group in tr.comm_at(phase, layers):
+        for kind, payload, group, count in tr.comm_at(phase, layers):
             n = layout.group_size(group)
             t = collective_time(profile, kind, payload, n, layout.placement(group, gpn))
-            est.add_comm(kind, payload, n, microbatches)
+            est.add_comm(kind, payload, n, microbatches * count)
             if group == "tp":
-                tp_t += t + (sp_call if kind in ("all_gather", "reduce_scatter") else 0.0)
+                tp_t += count * (t + (sp_call if kind in ("all_gather", "reduce_scatter") else 0.0))
             else:
-                cp_t += t
-                cp_fixed += cp_call.get(kind, 0.0)
+                cp_t += count * t
+                cp_fixed += count * cp_call.get(kind, 0.0)
     return ChunkTime(fwd, bwd, opt, tp_t, cp_t, cp_fixed, tr, layers)
 
 
@@ -192,7 +208,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
     if layout.fsdp:
         group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
         n, where = layout.group_size(group), layout.placement(group, gpn)
-        gathered = params / 2 if dtype == "bf16" else params  # the mixed-precision parameter dtype
+        gathered = params / 2 if dtype in ("bf16", "fp8") else params  # the mixed-precision parameter dtype
         blocks = max(sum(c.layers for c in chunks), 1)
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
                               for c in chunks)  # each block, the embedding and the head are gathered alone
@@ -269,20 +285,24 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
         est.step_s = est.compute_s + est.comm_exposed_s
         est.breakdown = {"forward_s": m * chunk.fwd, "backward_s": m * chunk.bwd, "optimizer_s": opt,
                          "tp_comm_s": m * chunk.tp_exposed, "cp_comm_exposed_s": m * cp_exposed,
-                         "dp_comm_exposed_s": dp_exposed}
+                         "dp_comm_exposed_s": dp_exposed, "pp_comm_exposed_s": 0.0}
         return est
     # pipeline: every stage rank's per-micro-batch time; the slowest sets the pace
     stages = stage_layout(args, layout, seq_len)
     ranks: dict[int, list[ChunkTime]] = {}
     io = 0.0
+    done: dict[tuple[str, int], tuple[ChunkTime, TimeEstimate]] = {}  # stages alike are priced once
     for rank, part, layers in stages:
-        share = TimeEstimate()
-        c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m)
+        if (part, layers) not in done:
+            share = TimeEstimate()
+            done[(part, layers)] = (chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type,
+                                               share, m), share)
+        c, share = done[(part, layers)]
         ranks.setdefault(rank, []).append(c)
         if rank == 0:
             est.comm_bytes += share.comm_bytes
             est.comm_wire_bytes += share.comm_wire_bytes
-        io = max(io, c.tr.lo.io_bytes)
+        io = max(io, c.tr.io_bytes)
     p2p = collective_time(profile, "p2p", io, 2, layout.placement("pp", gpn))
     est.add_comm("p2p", io, 2, 2 * m * layout.virtual_stages)
     # hand-offs are asynchronous: in the steady state a stage pays the transfer, and a call's latency only
@@ -291,8 +311,16 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     transfer = max(p2p - p2p_latency, 0.0)
     ramp = 2 * (layout.pp - 1) * p2p_latency
     per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)
-    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls for c in cs)
-                + (2 * transfer + per_mb) * len(cs) for r, cs in ranks.items()}
+    def exposed_transfer(c: ChunkTime) -> float:
+        # on an asynchronous device a stage's send / receive of one micro-batch runs while it computes another
+        # (1F1B's steady state), so only what does not fit under that compute shows; a host-synchronous device
+        # (CPU) waits for each hand-off
+        if not profile.overhead_overlaps:
+            return transfer
+        return max(0.0, transfer - profile.overlap * min(c.fwd, c.bwd))
+
+    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls + 2 * exposed_transfer(c) + per_mb
+                       for c in cs) for r, cs in ranks.items()}
     slot = max(per_rank.values())
     busy, bubble = pipeline_factor(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     slowest = max(per_rank, key=per_rank.get)
@@ -307,6 +335,10 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     est.bubble_s = bubble * others
     est.comm_exposed_s = busy * (slot - compute) + ramp + dp_exposed
     est.step_s = est.compute_s + est.bubble_s + est.comm_exposed_s
+    tp = busy * sum(c.tp_exposed for c in ranks[slowest])
+    cp = busy * sum(c.cp_comm + c.cp_calls for c in ranks[slowest])
     est.breakdown = {"stage_slot_s": slot, "p2p_s": p2p, "optimizer_s": opt, "dp_comm_exposed_s": dp_exposed,
+                     "tp_comm_s": tp, "cp_comm_exposed_s": cp,
+                     "pp_comm_exposed_s": max(0.0, est.comm_exposed_s - tp - cp - dp_exposed),
                      "per_stage_rank_s": {r: round(t, 6) for r, t in per_rank.items()}}
     return est

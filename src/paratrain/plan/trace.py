@@ -1,10 +1,11 @@
 """Trace one rank's training step on fake tensors: memory at each phase's peak, every op's FLOPs and bytes,
 and the collectives it issues. This is how the planner sees the *actual* model, not a formula.
 
-A trace runs one micro-batch's forward and backward (two when gradients accumulate) of the rank's local model
-(local_model.py) and, separately and shared, its optimizer step, under FakeTensorMode (shapes only, nothing
-computed) and a LiveTensorTracker, recording every op and collective. It traces 1 and 2 layers; `Trace.at(layers)` extends the per-layer increments linearly to any depth
-(every quantity is linear in the layer count: each block adds the same activations, grads and ops).
+A trace runs the rank's local model (local_model.py) under FakeTensorMode (shapes only, nothing computed) and a
+LiveTensorTracker, recording every op and collective. The planner traces units (units.py: embedding, ONE block,
+head, at micro-batch 1 and 2) and composes any depth, pipeline part and micro-batch from them (compose.py);
+`trace_once` traces a whole part directly (the reference the composition is tested against). The optimizer
+step is traced separately, per pipeline part, at 1 and 2 blocks (linear in the depth).
 """
 
 from __future__ import annotations
@@ -91,57 +92,6 @@ class OneTrace:
     head_bwd_mark: int = 0
 
 
-class Trace:
-    """Traces at 1 and 2 blocks; every accessor extends them linearly to `layers` blocks."""
-
-    def __init__(self, key: TraceKey, lo: OneTrace, hi: OneTrace):
-        self.key, self.lo, self.hi = key, lo, hi
-        self._sums: dict = {}  # (phase, cost identity) -> (sum at lo, sum at hi)
-
-    def _k(self, layers: int) -> float:
-        return (layers - self.lo.layers) / (self.hi.layers - self.lo.layers)
-
-    def scalar(self, name: str, layers: int) -> float:
-        a, b = getattr(self.lo, name), getattr(self.hi, name)
-        return a + self._k(layers) * (b - a)
-
-    def phase(self, name: str, layers: int) -> PhasePeak:
-        return self.lo.phases[name].scaled(self.hi.phases[name], self._k(layers))
-
-    def op_sum(self, phase: str, layers: int, cost, cost_id=None) -> float:
-        """Sum of cost(kind, flops, bytes, dtensor) over one micro-batch's ops of `phase` (fwd/bwd/opt), extended.
-        `cost_id` names the cost function so the sums are computed once per trace."""
-        cached = self._sums.get((phase, cost_id)) if cost_id is not None else None
-        if cached is None:
-            cached = (sum(n * cost(k, f, b, d) for k, f, b, n, d in self.lo.ops[phase]),
-                      sum(n * cost(k, f, b, d) for k, f, b, n, d in self.hi.ops[phase]))
-            if cost_id is not None:
-                self._sums[(phase, cost_id)] = cached
-        a, b = cached
-        return a + self._k(layers) * (b - a)
-
-    def comm_at(self, phase: str, layers: int) -> list[tuple[str, float, str]]:
-        """Collectives of one micro-batch: the deeper trace's, with the per-layer ones repeated."""
-        lo, hi = self.lo.comm[phase], self.hi.comm[phase]
-        per_layer = _multiset_diff(hi, lo, self.hi.layers - self.lo.layers)
-        extra = layers - self.hi.layers
-        return [(k, n, g) for k, n, g in hi] + [(k, n * extra, g) for k, n, g in per_layer]
-
-
-def _multiset_diff(hi, lo, span: int) -> list:
-    rest = list(hi)
-    for item in lo:
-        if item in rest:
-            rest.remove(item)
-    if span <= 0:
-        return []
-    # collapse the per-layer calls to per-layer byte totals by kind/group (exact for identical layers)
-    totals: dict[tuple[str, str], int] = {}
-    for kind, n, g in rest:
-        totals[(kind, g)] = totals.get((kind, g), 0) + n
-    return [(k, v / span, g) for (k, g), v in totals.items()]
-
-
 # -- op accounting -----------------------------------------------------------------------------------------------
 def _tensor_bytes(x) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
@@ -224,7 +174,22 @@ def _recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = F
 @functools.lru_cache(maxsize=256)
 def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
     """The optimizer step of one rank's part: its state bytes, the step's peak and ops. It depends only on the
-    parameter shapes, so every layout with the same TP split shares it."""
+    parameter shapes, so every layout with the same TP split shares it (cached on disk too)."""
+    from paratrain.plan.trace_cache import cached
+
+    key = {"args": args, "part": part, "tp": tp, "device_type": device_type, "layers": layers}
+    return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers), _decode_one)
+
+
+def _decode_one(doc: dict) -> OneTrace:
+    one = OneTrace(**{k: v for k, v in doc.items() if k not in ("phases", "ops", "comm")})
+    one.phases = {k: PhasePeak(**v) for k, v in doc["phases"].items()}
+    one.ops = {k: [tuple(op) for op in v] for k, v in doc["ops"].items()}
+    one.comm = {k: [tuple(c) for c in v] for k, v in doc["comm"].items()}
+    return one
+
+
+def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from paratrain.train.optim import build_optimizer
@@ -388,13 +353,15 @@ def _quiet():
         logger.setLevel(level)
 
 
-def trace(key: TraceKey, layers: int | None = None) -> Trace:
-    """The rank's step for a part of any depth: traced at 1 and 2 blocks (once per key), extended linearly
-    by the Trace's accessors, which take the depth."""
-    return _trace_pair(key)
+def trace(key: TraceKey, layers: int | None = None):
+    """The rank's step for a part of any depth and micro-batch, composed from unit traces (compose.py); the
+    accessors take the depth. Traced once per unit key, cached in memory and on disk (trace_cache.py)."""
+    return _composed(key)
 
 
-@functools.lru_cache(maxsize=1024)
-def _trace_pair(key: TraceKey) -> Trace:
+@functools.lru_cache(maxsize=4096)
+def _composed(key: TraceKey):
+    from paratrain.plan.compose import Composed
+
     with _quiet():
-        return Trace(key, trace_once(key, 1), trace_once(key, 2))
+        return Composed(key)

@@ -1,0 +1,144 @@
+"""The planner against published, measured training runs of large models.
+
+    python benchmarks/planner_published.py [--cases ID,ID] [--json]
+
+Each case of benchmarks/published_runs.json (source, model shape, GPU type and count, layout, batch, precision,
+recompute, compile) is predicted with every choice fixed, on the catalog entry of its GPU type (datasheet peaks
+times the documented efficiencies; nothing is tuned per case). Printed: predicted vs published step time (and
+tokens/s/GPU) and peak memory where published, the error of each and the mean absolute error.
+
+A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
+  megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
+  megatron-recompute: 96 B s L h^2 (1 + s/(6h) + V/(16 L h))  (Narayanan et al. 2021, with recomputation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RUNS = Path(__file__).with_name("published_runs.json")
+
+
+def flops_per_iteration(formula: str, model: dict, batch: int) -> float:
+    s, L, h, V = model["seq_len"], model["layers"], model["dim"], model["vocab_size"]
+    if formula == "megatron":
+        return 72 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    if formula == "megatron-recompute":
+        return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    raise ValueError(f"unknown flops_formula {formula!r}")
+
+
+def published_step_time(case: dict) -> float:
+    pub = case["published"]
+    if "step_time_s" in pub:
+        return pub["step_time_s"]
+    if "tokens_per_s_per_gpu" in pub:
+        # tokens per GPU per step: the global batch's tokens over all GPUs (torchtitan counts a data-parallel
+        # rank's tokens over its tp x pp x cp GPUs, the same figure)
+        return case["global_batch"] * case["model"]["seq_len"] / (pub["tokens_per_s_per_gpu"] * case["gpus"])
+    flops = flops_per_iteration(pub["flops_formula"], case["model"], case["global_batch"])
+    return flops / (pub["tflops_per_gpu"] * 1e12 * case["gpus"])
+
+
+def case_job(case: dict):
+    """(Job, HardwareProfile, Layout) of a case: the catalog GPU, every degree and option fixed."""
+    from paratrain.gpu_catalog import get_gpu
+    from paratrain.models.llama import ModelArgs
+    from paratrain.parallel.layout import Layout
+    from paratrain.plan.hardware import profile_from_spec, with_cluster_overrides
+    from paratrain.plan.search import Job
+
+    m = case["model"]
+    args = ModelArgs(name=case["id"], family=m["family"], vocab_size=m["vocab_size"], dim=m["dim"],
+                     n_layers=m["layers"], n_heads=m["heads"], n_kv_heads=m.get("kv_heads"), ffn_dim=m["ffn_dim"],
+                     max_seq_len=m["seq_len"], tie_embeddings=m.get("tie_embeddings", False))
+    spec = with_cluster_overrides(get_gpu(case["gpu"]), mem_gib=case.get("gpu_mem_gib"))
+    hw = profile_from_spec(spec)
+    job = Job(args=args, model_name=case["id"], gpus=case["gpus"], seq_len=m["seq_len"],
+              global_batch=case["global_batch"], dtype=case.get("planner_precision", case["precision"]),
+              compile=case.get("compile", False))
+    lay = dict(case["layout"])
+    dp = lay["dp_replicate"] * lay["dp_shard"]
+    layout = Layout(**lay, micro_batch=case["micro_batch"],
+                    microbatches=case["global_batch"] // dp // case["micro_batch"], ac=case["recompute"],
+                    **job.layout_options())
+    if layout.world != case["gpus"]:
+        raise ValueError(f"{case['id']}: the layout's degrees multiply to {layout.world}, not {case['gpus']}")
+    return job, hw, layout
+
+
+def predict(case: dict) -> dict:
+    from paratrain.plan.memory import GIB
+    from paratrain.plan.search import evaluate, structural_problem
+
+    job, hw, layout = case_job(case)
+    problem = structural_problem(job, layout, hw.gpu.gpus_per_node)
+    if problem:
+        raise ValueError(f"{case['id']}: {problem}")
+    t0 = time.perf_counter()
+    cand = evaluate(job, hw, layout)
+    pub_step = published_step_time(case)
+    tokens_per_gpu = case["global_batch"] * case["model"]["seq_len"] / case["gpus"]
+    row = {"id": case["id"], "gpu": case["gpu"], "gpus": case["gpus"], "kind": case["kind"],
+           "predicted_step_s": cand.time.step_s, "published_step_s": pub_step,
+           "step_error": cand.time.step_s / pub_step - 1,
+           "predicted_tokens_per_s_per_gpu": tokens_per_gpu / cand.time.step_s,
+           "published_tokens_per_s_per_gpu": tokens_per_gpu / pub_step,
+           "predicted_memory_gib": cand.memory.total / GIB, "fits": cand.feasible,
+           "breakdown_s": {"compute": cand.time.compute_s, "comm_exposed": cand.time.comm_exposed_s,
+                           "bubble": cand.time.bubble_s},
+           "seconds": time.perf_counter() - t0}
+    mem = case["published"].get("memory_gib")
+    if mem:
+        row["published_memory_gib"] = mem
+        row["memory_error"] = row["predicted_memory_gib"] / mem - 1
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", help="comma-separated case ids (default: all)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    opts = parser.parse_args()
+    cases = json.loads(RUNS.read_text())["cases"]
+    if opts.cases:
+        wanted = opts.cases.split(",")
+        unknown = set(wanted) - {c["id"] for c in cases}
+        if unknown:
+            sys.stderr.write(f"unknown case(s): {', '.join(sorted(unknown))}\n")
+            return 2
+        cases = [c for c in cases if c["id"] in wanted]
+    out = sys.stderr if opts.json else sys.stdout
+    out.write(f"{'case':<46} {'gpu':<9} {'GPUs':>5} {'layout':<11} {'pred s':>8} {'pub s':>8} {'err':>7} "
+              f"{'pred tok/s/GPU':>14} {'pub':>8} {'mem pred':>8} {'pub':>6} {'err':>6}\n")
+    rows = []
+    for case in cases:
+        r = predict(case)
+        rows.append(r)
+        mem = (f"{r['published_memory_gib']:>6.1f} {r['memory_error']:>+6.0%}" if "published_memory_gib" in r
+               else f"{'-':>6} {'-':>6}")
+        out.write(f"{r['id']:<46} {r['gpu']:<9} {r['gpus']:>5} {r['kind']:<11} {r['predicted_step_s']:>8.3g} "
+                  f"{r['published_step_s']:>8.3g} {r['step_error']:>+7.1%} {r['predicted_tokens_per_s_per_gpu']:>14.4g} "
+                  f"{r['published_tokens_per_s_per_gpu']:>8.4g} {r['predicted_memory_gib']:>8.1f} {mem}\n")
+        out.flush()
+    errors = [abs(r["step_error"]) for r in rows]
+    mem_errors = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
+    summary = {"cases": len(rows), "mean_abs_step_error": statistics.mean(errors), "max_abs_step_error": max(errors),
+               "within_30_percent": sum(e <= 0.30 for e in errors),
+               "mean_abs_memory_error": statistics.mean(mem_errors) if mem_errors else None}
+    out.write(f"mean |step error| {summary['mean_abs_step_error']:.1%} over {len(rows)} cases (target <= 15%), "
+              f"max {summary['max_abs_step_error']:.1%} (target <= 30%), {summary['within_30_percent']} within 30%"
+              + (f"; mean |memory error| {summary['mean_abs_memory_error']:.1%} over {len(mem_errors)}"
+                 if mem_errors else "") + "\n")
+    if opts.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Unit traces: the rank's model traced once with ONE block, cut into segments (pre, block, head) x (forward,
+backward) x (first micro-batch, accumulating micro-batch), at micro-batch 1 and 2.
+
+A part of any depth and any micro-batch is then composed from the segments (compose.py): the embedding, L
+identical blocks and the head run forward in order and backward in reverse, so a phase's peak is the highest
+(live bytes before a segment + that segment's own peak) along the walk. Every quantity a segment records is
+linear in the micro-batch, so micro-batches 1 and 2 give any other.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from paratrain.models.llama import ModelArgs
+from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
+from paratrain.plan.tracker import LiveTensorTracker, storages_of
+
+UNITS = ("pre", "block", "head")
+PASSES = ("first", "next")
+
+
+@dataclass(frozen=True)
+class UnitKey:
+    """What one rank's block, embedding and head do: everything but depth, pipeline part and micro-batch."""
+
+    args: ModelArgs
+    seq_len: int = 64  # global sequence length
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_impl: str = "ring"
+    ac: str = "none"
+    dtype: str = "fp32"
+    device_type: str = "cpu"
+    micro_batch: int = 1  # the traced micro-batch (1 and 2; others are interpolated)
+
+
+@dataclass
+class Segment:
+    peak: float = 0.0  # highest live bytes above the segment's start
+    end: float = 0.0  # live bytes at its end minus at its start
+    grads_peak: float = 0.0  # gradient bytes at that peak minus at the start
+    grads_end: float = 0.0
+    mark: float = 0.0  # head backward only: live bytes above the start once the logits' gradient exists
+
+
+@dataclass
+class UnitTrace:
+    micro_batch: int
+    params: dict = field(default_factory=dict)  # unit -> parameter bytes
+    param_count: dict = field(default_factory=dict)
+    param_tensors: dict = field(default_factory=dict)
+    segments: dict = field(default_factory=dict)  # "pass/unit/dir" -> Segment
+    ops: dict = field(default_factory=dict)  # "unit/phase" -> [(kind, flops, bytes, count, dtensor)]
+    comm: dict = field(default_factory=dict)  # "unit/phase" -> [(kind, payload, group)]
+    block_out: int = 0  # bytes of a block's output (what a pipeline stage sends)
+    exit_freed: dict = field(default_factory=dict)  # unit -> bytes freed when the forward leaves autocast
+
+    def seg(self, pas: str, unit: str, direction: str) -> Segment:
+        return self.segments.get(f"{pas}/{unit}/{direction}", Segment())
+
+
+def _unit_of_params(model) -> dict[str, list]:
+    block = list(model.layers.values())[0]
+    block_ids = {id(p) for p in block.parameters()}
+    head_mods = [m for m in (model.norm, model.output) if m is not None]
+    head_ids = {id(p) for m in head_mods for p in m.parameters()}
+    out: dict[str, list] = {u: [] for u in UNITS}
+    for p in model.parameters():
+        out["block" if id(p) in block_ids else "head" if id(p) in head_ids else "pre"].append(p)
+    return out
+
+
+def trace_units(key: UnitKey) -> UnitTrace:
+    """Trace embedding + one block + head, forward and backward, for two micro-batches (the second
+    accumulates into existing gradients), cutting the live-bytes timeline at each unit's boundaries."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paratrain.plan.trace import _quiet, _recorder
+    from paratrain.train.step import autocast_context, lm_loss
+
+    result = UnitTrace(micro_batch=key.micro_batch)
+    log = CommLog()
+    seq_local = key.seq_len // key.cp
+    state = {"phase": None, "unit": "pre"}
+    flat: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
+    ops: dict[str, list] = {}
+    log.dtensor = set() if key.tp > 1 else None
+    record = _recorder(flat, state, log, key.device_type == "cpu")
+
+    born: dict[int, str] = {}  # storage id -> the unit whose op created it
+
+    def hook(func, args, kwargs, out):  # route each op to its unit's list
+        before = len(flat[state["phase"]]) if state["phase"] else 0
+        record(func, args, kwargs, out)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for st in storages_of(t):
+                    born.setdefault(id(st), state["unit"])
+        if state["phase"] and len(flat[state["phase"]]) > before:
+            ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
+
+    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+        model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
+        groups = _unit_of_params(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        tracker = LiveTensorTracker(on_peak=lambda: {"grads": tracker.bytes_of(
+            [p.grad for p in params if p.grad is not None])}, op_hook=hook, resync=False)
+        cut = {"live": 0, "grads": 0, "name": None}
+
+        def grads_now() -> int:
+            return tracker.bytes_of([p.grad for p in params if p.grad is not None])
+
+        def boundary(name: str | None, pas: str) -> None:
+            """Close the open segment (if any) and open `name`."""
+            if cut["name"] is not None:
+                info = tracker.peak_info or {"grads": cut["grads"]}
+                g = grads_now()
+                seg = Segment(peak=tracker.peak - cut["live"], end=tracker.current - cut["live"],
+                              grads_peak=info["grads"] - cut["grads"], grads_end=g - cut["grads"],
+                              mark=cut.get("mark", 0.0))
+                result.segments[f"{pas}/{cut['name']}"] = seg
+            tracker.reset_peak()
+            cut.update(live=tracker.current, grads=grads_now(), name=name, mark=0.0)
+            if name is not None:
+                unit, direction = name.split("/")
+                state["unit"] = unit
+                log.unit = unit
+
+        block = list(model.layers.values())[0]
+        pas_now = {"pas": "first"}
+
+        def block_pre(mod, args):
+            boundary("block/fwd", pas_now["pas"])
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(lambda g: boundary("pre/bwd", pas_now["pas"]))
+
+        def block_post(mod, args, out):
+            result.block_out = out.numel() * out.element_size()
+            boundary("head/fwd", pas_now["pas"])
+            out.register_hook(lambda g: boundary("block/bwd", pas_now["pas"]))
+
+        def logits_post(mod, args, out):
+            out.register_hook(lambda g: cut.__setitem__("mark", tracker.current - cut["live"]))
+
+        block.register_forward_pre_hook(block_pre)
+        block.register_forward_hook(block_post)
+        if model.output is not None:
+            model.output.register_forward_hook(logits_post)
+
+        with tracker:
+            tracker.track(list(model.parameters()) + list(model.buffers()))
+            for unit, ps in groups.items():
+                result.params[unit] = tracker.bytes_of(ps)
+                result.param_count[unit] = sum(p.numel() for p in ps)
+                result.param_tensors[unit] = sum(p.requires_grad for p in ps)
+            for i, pas in enumerate(PASSES):
+                last = i == len(PASSES) - 1
+                pas_now["pas"] = pas
+                log.active = last
+                boundary("pre/fwd", pas)
+                state["phase"], log.phase = ("fwd" if last else None), "fwd"
+                inputs = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+                positions = torch.arange(seq_local)
+                with autocast_context("cpu", key.dtype):
+                    out = model(inputs, positions=positions)
+                    inside = {k: v[1] for k, v in tracker._live.items()}
+                if i == 0:
+                    # leaving autocast frees its cached low-precision weight copies (those no op saved for the
+                    # backward): each unit's share, freed once for all blocks at the end of the forward
+                    for k, nbytes in inside.items():
+                        if k not in tracker._live:
+                            unit = born.get(k, "pre")
+                            result.exit_freed[unit] = result.exit_freed.get(unit, 0) + nbytes
+                targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+                loss = lm_loss(out, targets)
+                boundary("head/bwd", pas)
+                state["phase"], log.phase = ("bwd" if last else None), "bwd"
+                loss.backward()
+                del loss, targets, out, inputs
+                boundary(None, pas)
+                state["phase"] = None
+    result.ops = ops
+    result.comm = {k: list(v) for k, v in log.by_unit.items()}
+    return result
+
+
+def _decode(doc: dict) -> UnitTrace:
+    ut = UnitTrace(**{k: v for k, v in doc.items() if k not in ("segments", "ops", "comm")})
+    ut.segments = {k: Segment(**v) for k, v in doc["segments"].items()}
+    ut.ops = {k: [tuple(op) for op in v] for k, v in doc["ops"].items()}
+    ut.comm = {k: [tuple(c) for c in v] for k, v in doc["comm"].items()}
+    return ut
+
+
+@functools.lru_cache(maxsize=512)
+def unit_trace(key: UnitKey) -> UnitTrace:
+    """The unit trace for `key`, from memory, the disk cache, or traced now."""
+    from paratrain.plan.trace_cache import cached
+
+    return cached("units", key, lambda: trace_units(key), _decode)

@@ -1,0 +1,84 @@
+"""Unit traces composed into parts of any depth and micro-batch, against the same part traced directly, and the
+disk cache that keeps them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from paratrain.models.presets import get_preset
+from paratrain.plan import trace_cache, units
+from paratrain.plan.compose import Composed
+from paratrain.plan.trace import TraceKey, trace_once
+
+TINY = dataclasses.replace(get_preset("tiny"), tie_embeddings=False)
+# (key fields, depth): every unit path the planner composes - parts, AC, TP+SP, CP, autocast, micro-batch 3 from 1, 2
+CASES = [
+    (dict(micro_batch=3, ac="full", dtype="fp16", device_type="cuda"), 3),
+    (dict(micro_batch=2, tp=2, sp=True, ac="selective"), 3),
+    (dict(micro_batch=2, cp=2), 2),
+    (dict(micro_batch=2, part="middle", dtype="bf16", device_type="cuda"), 3),
+    (dict(micro_batch=2, part="last", tp=2), 2),
+    (dict(micro_batch=2, part="first", ac="full"), 2),
+]
+
+
+def _compare(composed: Composed, direct, layers: int) -> dict:
+    out = {ph: composed.phase(ph, layers).total / direct.phases[ph].total for ph in ("first_mb", "next_mb")}
+    out["activations"] = composed.scalar("activations", layers) / direct.activations
+    flops = lambda kind, f, b, d: f + b  # noqa: E731
+    for phase in ("fwd", "bwd"):
+        want = sum(n * (f + b) for _, f, b, n, _ in direct.ops[phase])
+        out[phase] = composed.op_sum(phase, layers, flops) / want
+    got = sum(p * n for _, p, _, n in composed.comm_at("fwd", layers) + composed.comm_at("bwd", layers))
+    out["comm"] = got - sum(p for _, p, _ in direct.comm["fwd"] + direct.comm["bwd"])
+    return out
+
+
+@pytest.mark.parametrize("fields,layers", CASES)
+def test_composed_part_equals_the_part_traced_whole(fields, layers):
+    """Reference: trace_once, the part with `layers` blocks at the key's micro-batch traced in one piece."""
+    key = TraceKey(args=TINY, seq_len=32, **fields)
+    got = _compare(Composed(key), trace_once(key, layers), layers)
+    assert got.pop("comm") == 0
+    assert all(abs(r - 1) < 0.02 for r in got.values()), got
+
+
+def test_autocast_copies_are_freed_once_per_forward():
+    """Without the autocast-exit accounting the composition over-counts every block's low-precision weight copies
+    (full AC saves none of them): the check above must catch that."""
+    key = TraceKey(args=TINY, micro_batch=2, seq_len=32, ac="full", dtype="fp16", device_type="cuda")
+    composed = Composed(key)
+    direct = trace_once(key, 4)
+    assert abs(composed.phase("first_mb", 4).total / direct.phases["first_mb"].total - 1) < 0.02
+    composed.ut.exit_freed = {}
+    composed._walks.clear()
+    assert composed.phase("first_mb", 4).total / direct.phases["first_mb"].total > 1.03
+
+
+def test_disk_cache_round_trip_and_recovery(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
+    key = units.UnitKey(args=TINY, seq_len=32, micro_batch=1)
+    first = trace_cache.cached("units", key, lambda: units.trace_units(key), units._decode)
+    files = list((tmp_path / "traces").glob("units-*.json"))
+    assert len(files) == 1
+
+    def no_trace():
+        raise AssertionError("traced again although the cache holds it")
+
+    again = trace_cache.cached("units", key, no_trace, units._decode)
+    assert again.segments == first.segments and again.ops == first.ops and again.exit_freed == first.exit_freed
+    files[0].write_text("{not json")  # a damaged file is traced again and rewritten
+    rebuilt = trace_cache.cached("units", key, lambda: units.trace_units(key), units._decode)
+    assert rebuilt.segments == first.segments and json.loads(files[0].read_text())["format"] == trace_cache.FORMAT
+    other = dataclasses.replace(key, ac="full")  # another key is another file
+    trace_cache.cached("units", other, lambda: units.trace_units(other), units._decode)
+    assert len(list((tmp_path / "traces").glob("units-*.json"))) == 2
+
+
+def test_cache_stays_out_of_the_repository(monkeypatch, tmp_path):
+    monkeypatch.delenv("PARATRAIN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert trace_cache.cache_dir() == tmp_path / "paratrain" / "traces"
