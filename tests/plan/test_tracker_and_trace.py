@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from paratrain.models.presets import get_preset
+from paratrain.plan import compose
 from paratrain.plan import trace as trace_mod
 from paratrain.plan.tracker import LiveTensorTracker
 
@@ -61,7 +62,7 @@ def test_fake_trace_equals_real_tensors():
 def test_trace_extends_linearly_in_layers():
     """Reference: a 4-layer trace; the planner traces 1 and 2 layers and extends."""
     key = trace_mod.TraceKey(args=get_preset("small"), micro_batch=2, seq_len=64)
-    extended = trace_mod.trace(key, 4)
+    extended = compose.trace(key, 4)
     direct = trace_mod.trace_once(key, 4)
     for name in ("first_mb", "optimizer"):
         assert abs(extended.phase(name, 4).total / direct.phases[name].total - 1) < 0.01

@@ -11,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from paratrain.plan.trace import PhasePeak, TraceKey, _quiet, trace_optimizer
 from paratrain.plan.units import Segment, UnitKey, UnitTrace, unit_trace
-
-if TYPE_CHECKING:
-    from paratrain.plan.trace import PhasePeak, TraceKey
 
 
 def unit_key(key: TraceKey, micro_batch: int) -> UnitKey:
     return UnitKey(args=key.args, seq_len=key.seq_len, tp=key.tp, sp=key.sp, cp=key.cp, cp_impl=key.cp_impl,
-                   ac=key.ac, dtype=key.dtype, device_type=key.device_type, micro_batch=micro_batch)
+                   ac=key.ac, dtype=key.dtype, device_type=key.device_type, micro_batch=micro_batch,
+                   loss_parallel=key.part == "whole" and key.tp > 1)
 
 
 def _lerp(a: float, b: float, t: float) -> float:
@@ -145,8 +143,6 @@ class Composed:
         return self.ut.params["block"]
 
     def _opt(self, layers: int):
-        from paratrain.plan.trace import trace_optimizer
-
         lo = trace_optimizer(self.key.args, self.key.part, self.key.tp, self.key.device_type, 1)
         hi = trace_optimizer(self.key.args, self.key.part, self.key.tp, self.key.device_type, 2)
         return lo, hi, layers - 1
@@ -169,8 +165,6 @@ class Composed:
         raise KeyError(name)
 
     def phase(self, name: str, layers: int) -> PhasePeak:
-        from paratrain.plan.trace import PhasePeak
-
         if name == "optimizer":
             lo, hi, k = self._opt(layers)
             return lo.phases["optimizer"].scaled(hi.phases["optimizer"], k)
@@ -203,3 +197,15 @@ class Composed:
         for unit, n in counts(self.key.part, layers).items():
             out += [(k, p, g, n) for k, p, g in self.ut.comm.get(f"{unit}/{phase}", [])] if n else []
         return out
+
+
+def trace(key: TraceKey, layers: int | None = None):
+    """The rank's step for a part of any depth and micro-batch, composed from unit traces (below); the
+    accessors take the depth. Traced once per unit key, cached in memory and on disk (trace_cache.py)."""
+    return _composed(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _composed(key: TraceKey):
+    with _quiet():
+        return Composed(key)

@@ -324,9 +324,10 @@ def stage_args(args: ModelArgs, layers: int) -> ModelArgs:
 
 
 def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool, cp: int, cp_impl: str, ac: str,
-                      log: CommLog) -> nn.Module:
+                      log: CommLog, loss_parallel: bool | None = None) -> nn.Module:
     """The model one rank runs, on whatever fake/meta mode is active: `layers` blocks, this pipeline `part`,
-    TP-local shapes with simulated collectives, CP attention, activation checkpointing."""
+    TP-local shapes with simulated collectives, CP attention, activation checkpointing. `loss_parallel`
+    defaults to what the trainer does: vocab-sharded logits into the loss only without a pipeline."""
     from paratrain.models.presets import build_model
 
     model = build_model(stage_args(args, layers), "cpu", seed=None)
@@ -341,7 +342,8 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
         tied = model.output is not None and model.tok_embeddings is not None and \
             model.output.weight is getattr(model.tok_embeddings, "tokens", model.tok_embeddings).weight
         # as the trainer runs it: without a pipeline the logits stay vocab-sharded into the loss (loss parallel)
-        simulate_tp(model, tp_plan_for(model, tp, sp=sp, loss_parallel=part == "whole"), tp, log)
+        sharded_loss = part == "whole" if loss_parallel is None else loss_parallel
+        simulate_tp(model, tp_plan_for(model, tp, sp=sp, loss_parallel=sharded_loss), tp, log)
         if tied:  # one shard of the table serves the lookup and the head, as under TiedColwiseParallel
             model.output.weight = model.tok_embeddings.tokens.weight
     if cp > 1:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.layout import Layout
-from paratrain.plan.compose import Composed
-from paratrain.plan.trace import PhasePeak, TraceKey, trace
+from paratrain.plan.compose import Composed, trace
+from paratrain.plan.trace import PhasePeak, TraceKey
 
 GIB = 2**30
 

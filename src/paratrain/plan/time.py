@@ -26,10 +26,9 @@ from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.collectives import collective_time, wire_bytes
-from paratrain.plan.compose import Composed
+from paratrain.plan.compose import Composed, trace
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import stage_layout, trace_key
-from paratrain.plan.trace import trace
 
 DDP_BUCKET_BYTES = 25 * 2**20
 

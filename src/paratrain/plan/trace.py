@@ -351,17 +351,3 @@ def _quiet():
         yield
     finally:
         logger.setLevel(level)
-
-
-def trace(key: TraceKey, layers: int | None = None):
-    """The rank's step for a part of any depth and micro-batch, composed from unit traces (compose.py); the
-    accessors take the depth. Traced once per unit key, cached in memory and on disk (trace_cache.py)."""
-    return _composed(key)
-
-
-@functools.lru_cache(maxsize=4096)
-def _composed(key: TraceKey):
-    from paratrain.plan.compose import Composed
-
-    with _quiet():
-        return Composed(key)

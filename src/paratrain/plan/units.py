@@ -37,6 +37,7 @@ class UnitKey:
     dtype: str = "fp32"
     device_type: str = "cpu"
     micro_batch: int = 1  # the traced micro-batch (1 and 2; others are interpolated)
+    loss_parallel: bool = False  # TP logits stay vocab-sharded into the loss (no pipeline), as the trainer runs
 
 
 @dataclass
@@ -105,7 +106,8 @@ def trace_units(key: UnitKey) -> UnitTrace:
             ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
 
     with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
-        model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
+        model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
+                                  loss_parallel=key.loss_parallel)
         groups = _unit_of_params(model)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker = LiveTensorTracker(on_peak=lambda: {"grads": tracker.bytes_of(
