@@ -57,7 +57,7 @@ def test_each_cost_moves_only_the_strategies_that_pay_it():
     before = {name: fit._predict(base, name, 2, "cpu") for name in names}
     payers = {"ddp_us_per_mib": {"ddp", "cp-ring", "cp-ulysses"},  # CP runs DDP over its dp x cp group
               "fsdp_scale": {"zero2", "zero3"}, "fsdp_bwd_scale": {"zero3"}, "dtensor_op": {"tp", "tp-sp"},
-              "sp_call": {"tp", "tp-sp"},  # plain TP all-gathers the vocabulary-sharded logits once
+              "sp_call": {"tp-sp"},  # plain TP keeps the logits vocabulary-sharded into the loss (loss parallel)
               "cp_p2p_call": {"cp-ring"}, "cp_all_to_all_call": {"cp-ulysses"}, "pp_microbatch": {"pp"}}
     for cost, paying in payers.items():
         changed = dataclasses.replace(base, framework_us={**base.framework_us, cost: 1000.0})

@@ -46,7 +46,7 @@ def calibrate_worker(opts: dict) -> dict | None:
             record_latencies(result["collectives"])
             result["overlap"] = bench_overlap(rt.device, budget)
             result["framework"] = bench_framework(rt.device, budget)
-        result["reference_steps"] = measure_references(rt)
+        result["reference_steps"] = measure_references(rt, rounds=int(opts.get("rounds", 9)))
         result["device_type"] = rt.device_type
         result["backend"] = rt.backend
         result["world"] = rt.world_size
@@ -55,12 +55,14 @@ def calibrate_worker(opts: dict) -> dict | None:
     return result if rt.rank == 0 else None
 
 
-def calibrate(nproc: int = 2, device: str = "auto", timeout_s: float = 120.0, budget_s: float = 0.05) -> HardwareProfile:
+def calibrate(nproc: int = 2, device: str = "auto", timeout_s: float = 120.0, budget_s: float = 0.05,
+              rounds: int = 9) -> HardwareProfile:
     """Run the microbenchmarks on `nproc` local processes and turn rank 0's figures into a profile."""
     from paratrain.train.launch import run_workers
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(nproc, 1))))
-    raw = run_workers(calibrate_worker, ({"device": device, "timeout_s": timeout_s, "budget_s": budget_s},), nproc,
+    raw = run_workers(calibrate_worker, ({"device": device, "timeout_s": timeout_s, "budget_s": budget_s,
+                                             "rounds": rounds},), nproc,
                       0, timeout_s)[0]
     return profile_from_measurements(raw, nproc)
 
@@ -97,9 +99,11 @@ def profile_from_measurements(raw: dict, nproc: int) -> HardwareProfile:
 def calibrate_and_save(o: dict) -> tuple[HardwareProfile, str]:
     """`plan --calibrate`: calibrate with o["nproc"] processes, save to o["hardware"] (or the default path)."""
     nproc = o.get("nproc") or 2
-    log.info("calibrating on %d process(es): microbenchmarks, then reference training steps under each "
-             "strategy (about two minutes on a 2-core machine)", nproc)
-    profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0)
+    rounds = o.get("calibrate_rounds") or 9
+    log.info("calibrating on %d process(es): microbenchmarks, then %d rounds of reference training steps under "
+             "each strategy (about two minutes at 9 rounds on a 2-core machine)", nproc, rounds)
+    profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0,
+                        rounds=rounds)
     path = o.get("hardware") or str(default_profile_path())
     profile.save(path)
     return profile, path

@@ -57,9 +57,11 @@ def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
         inputs, targets, extra = mb.inputs, mb.targets, {}
         if runner.prepare_batch is not None:
             inputs, targets, extra = runner.prepare_batch(inputs, targets)
-        with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
-            logits = runner.model(inputs, **extra)
-        total += runner.loss_fn(logits, targets).detach().float() / len(micro)
+        with runner.loss_context():  # TP: the logits stay vocab-sharded, as in training
+            with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
+                logits = runner.model(inputs, **extra)
+            loss = runner.loss_fn(logits, targets).detach().float()
+        total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / len(micro)
     return total
 
 

@@ -63,7 +63,7 @@ class PlainStep:
         self.mark_graph_steps = mark_graph_steps  # --cuda-graphs: each forward starts a new captured step
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
 
-    def _loss_context(self):
+    def loss_context(self):
         if not self.loss_parallel:
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
@@ -88,7 +88,7 @@ class PlainStep:
                 inputs, targets, extra = self.prepare_batch(inputs, targets)
             if self.mark_graph_steps:
                 torch.compiler.cudagraph_mark_step_begin()
-            with _no_grad_sync(self.model, last), self._loss_context():
+            with _no_grad_sync(self.model, last), self.loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
                 loss = self.loss_fn(logits, targets) / n
