@@ -3,10 +3,18 @@
 Payload bytes follow parallel/comm.py (what bench measures): all_reduce the tensor reduced, all_gather the
 gathered output, reduce_scatter the unsharded input, all_to_all this rank's input, p2p the bytes sent. The
 bytes that cross each rank's link ("wire") are the payload times the ring factor below.
+
+Inter-node groups: every GPU has its own NIC (the catalog's inter-node rate is per GPU), and NCCL runs one ring
+per NIC ("rail"), so a group with k members on each node moves its inter-node traffic over k NICs at once:
+k times the per-GPU rate, at most the intra-node rate that feeds them. A group with one member per node (data
+parallelism across tensor-parallel nodes) gets one NIC's rate.
 """
 
 from __future__ import annotations
 
+import math
+
+from paratrain.parallel.layout import DIM_NAMES, GROUP_DIMS
 from paratrain.plan.hardware import HardwareProfile
 
 WIRE_FACTOR = {
@@ -24,8 +32,17 @@ def wire_bytes(kind: str, payload: float, n: int) -> float:
     return payload * WIRE_FACTOR[kind](n) if n > 1 else 0.0
 
 
-def collective_time(profile: HardwareProfile, kind: str, payload: float, n: int, where: str) -> float:
-    """Seconds for one collective of `payload` bytes over a group of n ranks placed `where`."""
+def members_per_node(layout, group: str, gpus_per_node: int) -> int:
+    """How many ranks of `group` share one node (ranks fill nodes in mesh order, tp innermost)."""
+    inner = DIM_NAMES.index(GROUP_DIMS[group][-1]) + 1
+    stride = math.prod(getattr(layout, d) for d in DIM_NAMES[inner:])
+    return max(1, min(layout.group_size(group), gpus_per_node // stride))
+
+
+def collective_time(profile: HardwareProfile, kind: str, payload: float, n: int, where: str,
+                    rails: int = 1) -> float:
+    """Seconds for one collective of `payload` bytes over a group of n ranks placed `where`; `rails`: the
+    group's members per node, whose NICs an inter-node collective uses together (module docstring)."""
     if n <= 1 or payload <= 0:
         return 0.0
     wire = wire_bytes(kind, payload, n)
@@ -35,4 +52,7 @@ def collective_time(profile: HardwareProfile, kind: str, payload: float, n: int,
         return measured["latency_us"] * 1e-6 + wire / (measured["busbw_gbs"] * 1e9)
     hops = HOPS.get(kind, lambda m: m - 1)(n)
     latency = profile.latency_us.get(where, 10.0) * 1e-6 * hops
-    return latency + wire / (profile.link_gbs[where] * 1e9)
+    link = profile.link_gbs[where]
+    if where == "inter" and kind != "p2p":
+        link = min(link * rails, max(link, profile.link_gbs.get("intra", link)))
+    return latency + wire / (link * 1e9)

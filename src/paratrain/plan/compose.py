@@ -121,11 +121,13 @@ class Composed:
 
     def __init__(self, key: TraceKey):
         self.key = key
-        u1, u2 = unit_trace(unit_key(key, 1)), unit_trace(unit_key(key, 2))
-        try:
-            self.ut = interpolate(u1, u2, key.micro_batch)
-        except ValueError:  # the op sequence depends on the size (ring attention's tiles): trace this size
+        if key.micro_batch in (1, 2):  # a traced size: the other one is not needed (nor traced)
             self.ut = unit_trace(unit_key(key, key.micro_batch))
+        else:
+            try:
+                self.ut = interpolate(unit_trace(unit_key(key, 1)), unit_trace(unit_key(key, 2)), key.micro_batch)
+            except ValueError:  # the op sequence depends on the size (ring attention's tiles): trace this size
+                self.ut = unit_trace(unit_key(key, key.micro_batch))
         self._walks: dict = {}
         self._sums: dict = {}
 

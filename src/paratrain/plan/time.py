@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from paratrain.errors import UserError
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.layout import Layout
-from paratrain.plan.collectives import collective_time, wire_bytes
+from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
 from paratrain.plan.compose import Composed, trace
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import stage_layout, trace_key
@@ -154,7 +154,8 @@ def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: 
     for phase in ("fwd", "bwd"):
         for kind, payload, group, count in tr.comm_at(phase, layers):
             n = layout.group_size(group)
-            t = collective_time(profile, kind, payload, n, layout.placement(group, gpn))
+            t = collective_time(profile, kind, payload, n, layout.placement(group, gpn),
+                                members_per_node(layout, group, gpn))
             est.add_comm(kind, payload, n, microbatches * count)
             if group == "tp":
                 tp_t += count * (t + (sp_call if kind in ("all_gather", "reduce_scatter") else 0.0))
@@ -191,8 +192,9 @@ def hsdp_all_reduce(profile: HardwareProfile, layout: Layout, shard_bytes: float
     if nr <= 1:
         return 0.0
     est.add_comm("all_reduce", shard_bytes, nr)
-    where = layout.placement("dp_replicate", profile.gpu.gpus_per_node)
-    return collective_time(profile, "all_reduce", shard_bytes, nr, where)
+    gpn = profile.gpu.gpus_per_node
+    where = layout.placement("dp_replicate", gpn)
+    return collective_time(profile, "all_reduce", shard_bytes, nr, where, members_per_node(layout, "dp_replicate", gpn))
 
 
 def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[ChunkTime], dtype: str,
@@ -206,7 +208,7 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
     overlap = profile.overlap
     if layout.fsdp:
         group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
-        n, where = layout.group_size(group), layout.placement(group, gpn)
+        n, where, rails = layout.group_size(group), layout.placement(group, gpn), members_per_node(layout, group, gpn)
         gathered = params / 2 if dtype in ("bf16", "fp8") else params  # the mixed-precision parameter dtype
         blocks = max(sum(c.layers for c in chunks), 1)
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
@@ -222,9 +224,9 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
             if layout.zero_stage == 3:
                 exposed += m * groups * bwd_gather(gathered / groups)
             return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
-        ag = collective_time(profile, "all_gather", gathered / groups, n, where) * groups
-        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where)
-        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where) * groups
+        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where, rails)
+        ag = ag_first * groups
+        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where, rails) * groups
         exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
         if layout.zero_stage == 3:
             exposed += m * max(0.0, ag - overlap * bwd)
@@ -238,10 +240,10 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
     if layout.ddp:
         group = "dp_cp"
-        n, where = layout.group_size(group), layout.placement(group, gpn)
-        ar = collective_time(profile, "all_reduce", grads, n, where)
+        n, where, rails = layout.group_size(group), layout.placement(group, gpn), members_per_node(layout, group, gpn)
+        ar = collective_time(profile, "all_reduce", grads, n, where, rails)
         est.add_comm("all_reduce", grads, n)
-        last = collective_time(profile, "all_reduce", min(grads, DDP_BUCKET_BYTES), n, where)
+        last = collective_time(profile, "all_reduce", min(grads, DDP_BUCKET_BYTES), n, where, rails)
         exposed = last + max(0.0, ar - last - overlap * bwd)
         # bucket copies and contention with the backward, per MiB of gradients (fitted, fit.py)
         exposed += profile.framework_us.get("ddp_us_per_mib", 0.0) * 1e-6 * grads / 2**20
@@ -249,7 +251,8 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
             # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step: one call each
             nd, where_d = layout.group_size("dp"), layout.placement("dp", gpn)
             count = max(1, round(sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)))
-            exposed += collective_time(profile, "broadcast", params / count, nd, where_d) * count
+            rails_d = members_per_node(layout, "dp", gpn)
+            exposed += collective_time(profile, "broadcast", params / count, nd, where_d, rails_d) * count
             est.add_comm("broadcast", params, nd)
         return exposed
     return 0.0
