@@ -1,4 +1,5 @@
-"""`paratrain plan` as users run it: the acceptance command, fixed degrees, --hf-config, errors, fits-nowhere."""
+"""`paratrain plan` as users run it (its main(), in this process: a plan starts no worker): the acceptance
+command, fixed degrees, --hf-config, errors, fits-nowhere."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ MEMORY = ("params", "grads", "optimizer", "activations", "other", "total")
 
 
 @pytest.mark.timeout(300)
-def test_llama3_8b_on_8_h100(cli):
-    res = cli("plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "8192",
-              "--global-batch", "16", "--json", timeout=280)
+def test_llama3_8b_on_8_h100(cli_inproc):
+    res = cli_inproc("plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "8192",
+              "--global-batch", "16", "--json")
     assert res.returncode == 0, res.stderr
     doc = res.json()
     assert doc["model"]["name"] == "llama3-8b" and doc["model"]["params"] > 8e9
@@ -40,16 +41,16 @@ def test_llama3_8b_on_8_h100(cli):
     assert any("ZeRO-3 needed" in r or "ZeRO-2 needed" in r or "TP" in r or "pipeline" in r for r in best["reasons"])
 
 
-def test_unknown_gpu_exits_2_listing_known_names(cli):
-    res = cli("plan", "--model", "tiny", "--gpu", "v100", "--gpus", "2")
+def test_unknown_gpu_exits_2_listing_known_names(cli_inproc):
+    res = cli_inproc("plan", "--model", "tiny", "--gpu", "v100", "--gpus", "2")
     assert res.returncode == 2
     assert "h100-sxm" in res.stderr and "rtx4090" in res.stderr and res.stderr.count("\n") == 1
 
 
 @pytest.mark.timeout(200)
-def test_fits_nowhere_names_the_smallest_gpu_count(cli):
-    res = cli("plan", "--model", "llama3-8b", "--gpu", "rtx4090", "--gpus", "2", "--seq-len", "2048",
-              "--global-batch", "16", "--json", timeout=190)
+def test_fits_nowhere_names_the_smallest_gpu_count(cli_inproc):
+    res = cli_inproc("plan", "--model", "llama3-8b", "--gpu", "rtx4090", "--gpus", "2", "--seq-len", "2048",
+              "--global-batch", "16", "--json")
     assert res.returncode == 0, res.stderr
     doc = res.json()
     assert not doc["fits"] and doc["recommended"] is None
@@ -59,11 +60,11 @@ def test_fits_nowhere_names_the_smallest_gpu_count(cli):
 
 
 @pytest.mark.timeout(200)
-def test_fixed_degrees_and_hf_config(cli, tmp_path):
+def test_fixed_degrees_and_hf_config(cli_inproc, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8, "n_inner": None,
                                   "vocab_size": 4096, "n_positions": 512, "tie_word_embeddings": False}))
-    res = cli("plan", "--hf-config", str(config), "--gpu", "a100-80", "--gpus", "4", "--tp", "2", "--ac", "none",
+    res = cli_inproc("plan", "--hf-config", str(config), "--gpu", "a100-80", "--gpus", "4", "--tp", "2", "--ac", "none",
               "--seq-len", "512", "--global-batch", "8", "--json", "--top", "4")
     assert res.returncode == 0, res.stderr
     doc = res.json()
@@ -72,8 +73,8 @@ def test_fixed_degrees_and_hf_config(cli, tmp_path):
                                      for c in doc["candidates"])
 
 
-def test_custom_hardware(cli):
-    res = cli("plan", "--model", "tiny", "--peak-tflops", "100", "--mem-gib", "16", "--intra-node-gbs", "64",
+def test_custom_hardware(cli_inproc):
+    res = cli_inproc("plan", "--model", "tiny", "--peak-tflops", "100", "--mem-gib", "16", "--intra-node-gbs", "64",
               "--inter-node-gbs", "12.5", "--gpus", "2", "--seq-len", "64", "--global-batch", "4", "--json", "--top", "3")
     assert res.returncode == 0, res.stderr
     doc = res.json()
