@@ -8,7 +8,7 @@ from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import get_preset
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.plan.collectives import collective_time, wire_bytes
+from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
 from paratrain.plan.hardware import profile_from_spec
 from paratrain.plan.memory import in_flight
 from paratrain.plan.search import Job, base_layouts, structural_problem
@@ -32,6 +32,25 @@ def test_placement_keeps_inner_dims_in_a_node():
     assert lay.placement("tp", 8) == "intra"
     assert lay.placement("dp_shard", 8) == "inter"
     assert Layout(dp_replicate=2, tp=4).placement("dp", 8) == "intra"
+
+
+def test_inter_node_groups_use_one_nic_per_member_on_a_node():
+    prof = profile_from_spec(get_gpu("h100-sxm"))  # 50 GB/s NIC per GPU, 450 GB/s NVLink, 80% of each
+    assert members_per_node(Layout(dp_shard=48), "dp_shard", 8) == 8
+    assert members_per_node(Layout(dp_shard=48, tp=2), "dp_shard", 8) == 4
+    assert members_per_node(Layout(dp_shard=48, tp=8), "dp_shard", 8) == 1
+    size, n = 1e9, 48
+    wire = 47 / 48 * size
+    one = collective_time(prof, "reduce_scatter", size, n, "inter", 1)
+    four = collective_time(prof, "reduce_scatter", size, n, "inter", 4)
+    eight = collective_time(prof, "reduce_scatter", size, n, "inter", 8)
+    latency = 47 * prof.latency_us["inter"] * 1e-6
+    assert one - latency == pytest.approx(wire / (50 * 0.8e9))
+    assert four - latency == pytest.approx(wire / (4 * 50 * 0.8e9))
+    assert eight - latency == pytest.approx(wire / (400 * 0.8e9))
+    # never faster than the NVLink that feeds the NICs, and a point-to-point hand-off uses one NIC
+    assert collective_time(prof, "reduce_scatter", size, n, "inter", 16) - latency == pytest.approx(wire / (450 * 0.8e9))
+    assert collective_time(prof, "p2p", size, 2, "inter", 8) == collective_time(prof, "p2p", size, 2, "inter", 1)
 
 
 def test_pipeline_bubble_and_in_flight():
