@@ -7,6 +7,9 @@ recompute, compile) is predicted with every choice fixed, on the catalog entry o
 times the documented efficiencies; nothing is tuned per case). Printed: predicted vs published step time (and
 tokens/s/GPU) and peak memory where published, the error of each and the mean absolute error.
 
+A case whose published scheme paratrain's runtime cannot run (`runtime_unsupported`: why) is still priced as
+published, past the runtime's structural checks, and marked `*`: a check of the cost model, not a plannable layout.
+
 A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
   megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
   megatron-recompute: 96 B s L h^2 (1 + s/(6h) + V/(16 L h))  (Narayanan et al. 2021, with recomputation)
