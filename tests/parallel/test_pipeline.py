@@ -146,8 +146,8 @@ def test_ideal_bubble_formula():
     (["--strategy", "pp", "--nproc", "2", "--global-batch", "10", "--microbatches", "4"],
      "not divisible by 4 pipeline micro-batches"),
 ])
-def test_cli_bad_layout_exits_2_with_one_line(cli, args, message):
-    result = cli("verify", *args, "--steps", "1", "--timeout-s", "30")
+def test_cli_bad_layout_exits_2_with_one_line(cli_inproc, args, message):
+    result = cli_inproc("verify", *args, "--steps", "1", "--timeout-s", "30")
     assert result.returncode == 2, result.stderr
     lines = [ln for ln in result.stderr.strip().splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr

@@ -12,9 +12,9 @@ from paratrain.plan.hardware import load_profile
 @pytest.mark.timeout(600)
 def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
     profile = tmp_path / "cpu.json"
-    # 3 rounds (the default is 9) keeps this end-to-end check short; the fit's quality at the default is what
+    # 1 round (the default is 9) keeps this end-to-end check short; the fit's quality at the default is what
     # benchmarks/planner_accuracy.py measures
-    res = cli("plan", "--calibrate", "--calibrate-rounds", "3", "--hardware", str(profile), "--nproc", "2", "--json",
+    res = cli("plan", "--calibrate", "--calibrate-rounds", "1", "--hardware", str(profile), "--nproc", "2", "--json",
               timeout=560)
     assert res.returncode == 0, res.stderr
     prof = load_profile(profile)
