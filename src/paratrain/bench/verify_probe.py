@@ -40,6 +40,11 @@ def fingerprinted(path: str) -> bool:
     """Top-level modules, each block and the block's direct children (norms, attention, MLP): their outputs are
     whole or DTensors under every strategy (unlike a column-parallel linear's local output)."""
     parts = path.split(".") if path else []
+    if parts[:1] == ["hf"]:  # a transformers model (models/hf_model.py): hf.<base model>.<layer list>.N...
+        parts = parts[2:] if len(parts) > 2 else parts[1:]
+        if len(parts) >= 2 and parts[1].isdigit():
+            return len(parts) in (2, 3)
+        return len(parts) == 1 and path.count(".") >= 1
     if parts[:1] == ["layers"]:
         return len(parts) in (2, 3)
     return len(parts) == 1
@@ -62,6 +67,19 @@ def local_fingerprint(output: torch.Tensor, tp_rank: int) -> torch.Tensor | None
                         x.abs().sum()]).cpu()
 
 
+def batch_independent(part: nn.Module, path: str, module: nn.Module) -> bool:
+    """A transformers model's modules whose output is the same on every rank whatever its data (rotary tables,
+    learned position tables): their sums over data-parallel ranks would not add up to the reference's."""
+    if not path.startswith("hf."):
+        return False
+    if next(module.parameters(), None) is None:
+        return True
+    if isinstance(module, nn.Embedding):
+        token_tables = {id(m.hf.get_input_embeddings()) for m in part.modules() if hasattr(m, "use_attention")}
+        return id(module) not in token_tables
+    return False
+
+
 def _in_backward() -> bool:
     # activation checkpointing recomputes forwards inside backward: those calls are not new activations
     return torch._C._current_graph_task_id() != -1
@@ -79,7 +97,7 @@ class Fingerprints:
             seen = set()
             for name, module in part.named_modules():
                 path = clean_name(name)
-                if not fingerprinted(path) or path in seen:
+                if not fingerprinted(path) or path in seen or batch_independent(part, path, module):
                     continue
                 seen.add(path)  # the outermost module of that path: wrappers (AC, compile) share it
                 self.handles.append(module.register_forward_hook(self._hook(path)))
