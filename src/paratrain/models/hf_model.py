@@ -68,8 +68,10 @@ def hf_config_object(doc: dict, where: str = "config.json"):
     except ValueError:
         raise UserError(f"{where}: model_type {kind!r} is not a model transformers {transformers.__version__} "
                         "ships") from None
-    if getattr(config, "is_encoder_decoder", False) or type(config) not in \
-            transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
+    auto = transformers.models.auto.modeling_auto
+    # BERT-like encoders also have a causal-LM head class; their masked-LM head gives them away
+    if getattr(config, "is_encoder_decoder", False) or type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING or \
+            type(config) in auto.MODEL_FOR_MASKED_LM_MAPPING:
         raise UserError(f"{where}: {kind} is not a decoder-only causal LM (AutoModelForCausalLM has no such model)")
     return config
 

@@ -10,8 +10,9 @@ row-parallel output a sequence-sharded DTensor and gathers the sequence back at 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,6 +45,22 @@ class GatherSequenceInput(ParallelStyle):
         return module
 
 
+class HeadShardedNorm(ParallelStyle):
+    """transformers' "replicated_with_grad_allreduce": a norm kept whole on every rank but applied to this rank's
+    attention heads (per-head q/k norms). Its input is read as Shard on the heads dimension (-2 of
+    (batch, seq, heads, head_dim)), so DTensor sums the weight's gradient over the tp ranks, as the name asks."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def heads_of_this_rank(_module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def local(_module, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=heads_of_this_rank, output_fn=local)
+
+
 def model_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     """The config class's `base_model_tp_plan` (module path under the base model -> style name), or refuse."""
     plan = getattr(hf_model.config, "base_model_tp_plan", None) or getattr(type(hf_model.config), "base_model_tp_plan", None)
@@ -70,7 +87,7 @@ def translate(style: str, sp: bool) -> ParallelStyle:
         return RowwiseParallel(input_layouts=Replicate(), **rowwise_out)
     if style == "sequence_parallel":
         return SequenceParallel() if sp else ReplicateParallel()
-    return ReplicateParallel()  # replicated_with_grad_allreduce: whole on every rank, its grad averaged by DTensor
+    return HeadShardedNorm()  # replicated_with_grad_allreduce
 
 
 def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
