@@ -120,7 +120,9 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
         if not _is_norm(module):
             raise UserError(f"{type(hf).__name__}: module {name} ({type(module).__name__}) holds parameters its "
                             "tensor-parallel plan does not place; use a data-parallel strategy")
-        plan[_wildcard(name)] = SequenceParallel() if sp else ReplicateParallel()
+        # under SP only the norms on the residual stream see sequence-sharded input; one inside a sub-layer
+        # (e.g. OLMo2's q/k norms after a gathered projection) sees whole tensors
+        plan[_wildcard(name)] = SequenceParallel() if sp and _on_residual_stream(name) else ReplicateParallel()
     if head is not None:
         out = dict(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                    use_local_output=not loss_parallel)
@@ -139,6 +141,13 @@ def _covered(name: str, plan: dict) -> bool:
 def _wildcard(name: str) -> str:
     """hf.model.layers.3.input_layernorm -> hf.model.layers.*.input_layernorm (one entry for all blocks)."""
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _on_residual_stream(name: str) -> bool:
+    """A block's own norm (…layers.3.input_layernorm) or one outside the blocks (…norm), not one nested deeper."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return index is None or len(parts) - index == 2
 
 
 def _is_norm(module: nn.Module) -> bool:
