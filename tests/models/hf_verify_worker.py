@@ -23,6 +23,7 @@ EVERY_STRATEGY = {
     "hsdp": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": {"strategy": "tp"},
     "tp-sp": {"strategy": "tp-sp"}, "cp-ring": {"strategy": "cp-ring"}, "cp-ulysses": {"strategy": "cp-ulysses"},
     "dp_shard2xtp2": {"dp_shard": 2, "tp": 2},
+    "pp-1f1b": {"strategy": "pp", "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
 }
 RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY] + \
        [(model, name) for model in ("mistral", "gpt2") for name in ("ddp", "zero3")]

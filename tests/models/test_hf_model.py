@@ -84,18 +84,26 @@ def test_model_args_read_the_shape(tmp_path):
     assert hf_config_object(CONFIGS["qwen2"]).model_type == "qwen2"
 
 
-def test_tp_refused_without_a_plan_and_pp_refused(tmp_path):
+def test_refusals_tp_without_a_plan_pp_with_tp_and_pp_of_a_tied_model(tmp_path):
     from paratrain.config import TrainConfig
+    from paratrain.models.hf_args import hf_model_args
     from paratrain.models.hf_model import check_hf_run
+    from paratrain.models.hf_pipeline import pipeline_view
     from paratrain.models.hf_tp_plan import hf_tp_plan
     from paratrain.parallel.strategies import resolve_layout
 
-    gpt2 = build_hf_model(f"hf:{write_config(tmp_path, 'gpt2')}")
+    spec = f"hf:{write_config(tmp_path, 'gpt2')}"
+    gpt2 = build_hf_model(spec)
     with pytest.raises(UserError, match="no tensor-parallel plan"):
         hf_tp_plan(gpt2, tp=2)
-    cfg = TrainConfig(model=f"hf:{tmp_path / 'gpt2'}", strategy="pp", nproc=2, device="cpu")
-    with pytest.raises(UserError, match="pipeline parallelism"):
-        check_hf_run(resolve_layout(cfg, 2), cfg)
+    with pytest.raises(UserError, match="pp plan is embed_tokens -> layers -> norm"):  # learned positions, no rotary
+        pipeline_view(gpt2, hf_model_args(spec))
+    tied = f"hf:{write_config(tmp_path, 'llama', tie_word_embeddings=True)}"
+    with pytest.raises(UserError, match="ties its head"):
+        pipeline_view(build_hf_model(tied), hf_model_args(tied))
+    cfg = TrainConfig(model=tied, nproc=4, device="cpu", pp=2, tp=2)
+    with pytest.raises(UserError, match="pp\\) with tp or cp"):
+        check_hf_run(resolve_layout(cfg, 4), cfg)
 
 
 def test_translated_tp_plan_places_every_parameter(tmp_path):

@@ -1,7 +1,7 @@
 """verify on transformers models (--model hf:PATH): every strategy against the unwrapped model on one device.
 
 One 4-rank launch (hf_verify_worker.py, gloo, CPU) verifies ddp, zero2, zero3, hsdp, tp, tp-sp, cp-ring, cp-ulysses
-and dp_shard 2 x tp 2 on tiny random Llama and Qwen2 configs, ddp and zero3 on Mistral (grouped-query) and GPT-2
+dp_shard 2 x tp 2 and pp 2 (1f1b) x dp 2 on tiny random Llama and Qwen2 configs, ddp and zero3 on Mistral (grouped-query) and GPT-2
 (tied head), 2 steps each at fp32 tolerances (bench/verify_compare.py). Then four planted bugs must be caught at
 step 1, named by the transformers parameter or module they touch.
 """
@@ -46,6 +46,7 @@ def test_every_strategy_matches_one_device(runs):
         assert report["compared"]["activations"] is True and report["max_act_rel_diff"] < 1e-5, (name, report)
     assert runs["clean"]["llama/dp_shard2xtp2"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert runs["clean"]["qwen2/cp-ulysses"]["dims"]["cp"] == 4
+    assert runs["clean"]["llama/pp-1f1b"]["dims"]["pp"] == 2 and runs["clean"]["llama/pp-1f1b"]["compared"]["model_parts"] == 1
 
 
 @pytest.mark.timeout(420)

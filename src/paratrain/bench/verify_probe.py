@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.models.hf_pipeline import hf_name
+
 # wrapper path components (DDP, torch.compile, activation checkpointing, FSDP1) that are not part of the model
 STRIP = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
@@ -32,7 +34,7 @@ def full_tensors(model_parts, kind: str, scale: float = 1.0) -> dict[str, torch.
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             t = t.float().cpu().clone()
-            out[clean_name(name)] = t / scale if scale != 1.0 else t
+            out[hf_name(getattr(part, "module", part), clean_name(name))] = t / scale if scale != 1.0 else t
     return out
 
 
@@ -76,6 +78,7 @@ def batch_independent(part: nn.Module, path: str, module: nn.Module) -> bool:
         return True
     if isinstance(module, nn.Embedding):
         token_tables = {id(m.hf.get_input_embeddings()) for m in part.modules() if hasattr(m, "use_attention")}
+        token_tables |= {id(m.tok_embeddings) for m in part.modules() if getattr(m, "hf_prefixes", None)}  # a stage
         return id(module) not in token_tables
     return False
 
@@ -96,7 +99,7 @@ class Fingerprints:
         for part in model_parts:
             seen = set()
             for name, module in part.named_modules():
-                path = clean_name(name)
+                path = hf_name(getattr(part, "module", part), clean_name(name))
                 if not fingerprinted(path) or path in seen or batch_independent(part, path, module):
                     continue
                 seen.add(path)  # the outermost module of that path: wrappers (AC, compile) share it

@@ -145,9 +145,9 @@ def load_safetensors(model: nn.Module, files: list[Path]) -> None:
 
 def check_hf_run(layout, cfg) -> None:
     """What a transformers model cannot do under paratrain (yet), refused in one line."""
-    if layout.pp_enabled:
-        raise UserError("pipeline parallelism (pp) is not supported for --model hf: models yet; use ddp, zero1/2/3, "
-                        "hsdp, tp, tp-sp or cp")
+    if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
+        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
+                        "pp composes with data parallelism (ddp, zero, hsdp) here")
     if cfg.init_from:
         raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
                         "are loaded by --model hf:DIR")

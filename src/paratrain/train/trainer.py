@@ -16,6 +16,7 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
 from paratrain.models.hf_model import build_hf_model, check_hf_run, is_hf_model
+from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
@@ -69,6 +70,8 @@ class Trainer:
         if self.hf:  # a transformers model (--model hf:PATH): its own module tree, its own TP plan
             check_hf_run(layout, cfg)
             model = build_hf_model(cfg.model, cfg.seed)
+            if layout.pp_enabled:  # the same modules, seen as embedding / layers / norm / head for the stage split
+                model = pipeline_view(model, self.args)
         else:
             model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
         self.model_name = custom.name if custom else self.args.name
