@@ -121,3 +121,23 @@ def test_translated_tp_plan_places_every_parameter(tmp_path):
     sp = hf_tp_plan(model, tp=2, sp=True, loss_parallel=True)
     assert isinstance(sp["hf.model.layers.*.self_attn"], GatherSequenceInput)
     assert sp["hf.model.layers.*.self_attn.o_proj"].output_layouts[0].is_shard(1)
+
+
+def test_without_the_extra_one_line_names_it(monkeypatch, tmp_path):
+    from paratrain.models.hf_model import require_transformers
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(UserError, match=r"optional 'hf' extra .* pip install 'paratrain\[hf\]'"):
+        require_transformers()
+    with pytest.raises(UserError, match="optional 'hf' extra"):
+        build_hf_model(f"hf:{write_config(tmp_path, 'llama')}")
+
+
+def test_cli_bad_hf_paths_exit_2_with_one_line(tmp_path):
+    from reliability.inproc import run_cli_inproc
+
+    for argv, message in ((["train", "--model", f"hf:{tmp_path / 'nowhere'}"], "no such directory"),
+                          (["verify", "--model", f"hf:{tmp_path}", "--nproc", "1"], "holds no config.json")):
+        code, _, err = run_cli_inproc(argv, cwd=tmp_path)
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert len([line for line in err.splitlines() if line.strip()]) == 1, err
