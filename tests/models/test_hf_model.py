@@ -137,7 +137,9 @@ def test_cli_bad_hf_paths_exit_2_with_one_line(tmp_path):
     from reliability.inproc import run_cli_inproc
 
     for argv, message in ((["train", "--model", f"hf:{tmp_path / 'nowhere'}"], "no such directory"),
-                          (["verify", "--model", f"hf:{tmp_path}", "--nproc", "1"], "holds no config.json")):
+                          (["verify", "--model", f"hf:{tmp_path}", "--nproc", "1"], "holds no config.json"),
+                          (["train", "--model", f"hf:{write_config(tmp_path, 'gpt2')}", "--vocab-size", "32"], "edit that"),
+                          (["train", "--model", f"hf:{tmp_path / 'gpt2'}", "--seq-len", "512"], "learned positions")):
         code, _, err = run_cli_inproc(argv, cwd=tmp_path)
         assert code == 2 and message in err and "Traceback" not in err, err
         assert len([line for line in err.splitlines() if line.strip()]) == 1, err

@@ -41,6 +41,9 @@ def args_from_doc(doc: dict, name: str, seq_len: int | None = None) -> ModelArgs
     gated = kind not in UNGATED
     ffn = get("intermediate_size") or get("n_inner") or get("ffn_dim") or 4 * dim
     positions = get("max_position_embeddings") or get("n_positions") or 2048
+    learned_positions = get("n_positions") is not None  # GPT-2 style: a table, no room beyond it
+    if learned_positions and seq_len and seq_len > positions:
+        raise UserError(f"{name}: --seq-len {seq_len} is longer than the model's {positions} learned positions")
     if dim % heads or heads % kv:
         raise UserError(f"{name}: hidden_size {dim} / {heads} heads / {kv} kv heads do not divide")
     return ModelArgs(name=name, family="llama" if gated else "gpt2", vocab_size=_positive(get("vocab_size"), "vocab_size", name),
