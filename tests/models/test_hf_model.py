@@ -143,3 +143,18 @@ def test_cli_bad_hf_paths_exit_2_with_one_line(tmp_path):
         code, _, err = run_cli_inproc(argv, cwd=tmp_path)
         assert code == 2 and message in err and "Traceback" not in err, err
         assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+
+
+def test_doctor_and_bench_take_an_hf_model(tmp_path):
+    from reliability.inproc import run_cli_inproc
+
+    model = f"hf:{write_config(tmp_path, 'qwen2')}"
+    small = ["--nproc", "1", "--steps", "2", "--seq-len", "16", "--global-batch", "4"]
+    code, out, err = run_cli_inproc(["doctor", "--model", model, "--warmup", "1", *small, "--json"], cwd=tmp_path)
+    assert code == 0, err
+    assert sum(json.loads(out)["breakdown"].values()) == pytest.approx(1.0, abs=0.02)
+    code, out, err = run_cli_inproc(["bench", "--model", model, "--strategies", "ddp", "--nproc", "1", "--steps", "2",
+                                     "--seq-len", "16", "--global-batch", "4", "--json"], cwd=tmp_path)
+    assert code == 0, err
+    run = json.loads(out)["runs"][0]
+    assert run["strategy"] == "ddp" and run["peak_mem_gib"] > 0 and run["predicted_step_time_s"] > 0
