@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 from paratrain.errors import UserError
 from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, VocabParallelEmbedding
 
-# transformers' style names -> whether the entry splits like colwise or rowwise, and its extra layouts
+# transformers' style names we translate; the first four split a linear (their parents gather the sequence under SP)
 KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
                 "sequence_parallel")
 
