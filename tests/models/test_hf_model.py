@@ -101,9 +101,14 @@ def test_refusals_tp_without_a_plan_pp_with_tp_and_pp_of_a_tied_model(tmp_path):
     tied = f"hf:{write_config(tmp_path, 'llama', tie_word_embeddings=True)}"
     with pytest.raises(UserError, match="ties its head"):
         pipeline_view(build_hf_model(tied), hf_model_args(tied))
-    cfg = TrainConfig(model=tied, nproc=4, device="cpu", pp=2, tp=2)
-    with pytest.raises(UserError, match="pp\\) with tp or cp"):
-        check_hf_run(resolve_layout(cfg, 4), cfg)
+    for fields, message in (({"pp": 2, "tp": 2}, "pp\\) with tp or cp"), ({"strategy": "tp-sp"}, "tp-sp is not"),
+                            ({"strategy": "pp"}, "two pipeline stages")):
+        cfg = TrainConfig(model=tied, nproc=4, device="cpu", **fields)
+        with pytest.raises(UserError, match=message):
+            check_hf_run(resolve_layout(cfg, 4), cfg, hf_model_args(tied))
+    cfg = TrainConfig(model=spec, nproc=2, device="cpu", strategy="tp")
+    with pytest.raises(UserError, match="no tensor-parallel plan"):  # before any model is built
+        check_hf_run(resolve_layout(cfg, 2), cfg, hf_model_args(spec))
 
 
 def test_translated_tp_plan_places_every_parameter(tmp_path):

@@ -143,11 +143,23 @@ def load_safetensors(model: nn.Module, files: list[Path]) -> None:
                         f"unexpected {result.unexpected_keys[:3]}")
 
 
-def check_hf_run(layout, cfg) -> None:
-    """What a transformers model cannot do under paratrain (yet), refused in one line."""
+def check_hf_run(layout, cfg, args) -> None:
+    """What a transformers model cannot do under paratrain (yet), refused in one line before any process starts
+    (train/validate.py) and again in each worker. `args`: the model's ModelArgs (models/hf_args.py)."""
     if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
         raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
                         "pp composes with data parallelism (ddp, zero, hsdp) here")
     if cfg.init_from:
         raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
                         "are loaded by --model hf:DIR")
+    kind = read_hf_config(cfg.model)["model_type"]
+    if layout.tp_enabled and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
+                                         "base_model_tp_plan", None):
+        raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
+                        "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+    if args.tie_embeddings and layout.tp_enabled and layout.sp:
+        raise UserError(f"{kind} ties its head to the token table: tp-sp is not supported for a tied Hugging Face "
+                        "model yet; use tp")
+    if args.tie_embeddings and layout.pp_enabled:
+        raise UserError(f"{kind} ties its head to the token table, which would sit on two pipeline stages; untie it "
+                        "(tie_word_embeddings: false) or use another strategy")

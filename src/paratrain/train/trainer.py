@@ -68,7 +68,7 @@ class Trainer:
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
         self.hf = custom is None and is_hf_model(cfg.model)
         if self.hf:  # a transformers model (--model hf:PATH): its own module tree, its own TP plan
-            check_hf_run(layout, cfg)
+            check_hf_run(layout, cfg, self.args)
             model = build_hf_model(cfg.model, cfg.seed)
             if layout.pp_enabled:  # the same modules, seen as embedding / layers / norm / head for the stage split
                 model = pipeline_view(model, self.args)
