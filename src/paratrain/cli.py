@@ -37,7 +37,8 @@ def _opt(default, *names, help: str):  # noqa: A002 - mirrors typer's keyword
 
 TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("config", Optional[Path], _opt(None, "--config", help="TOML run config (default: the embedded tiny-cpu)")),
-    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, llama3-8b, llama2-70b")),
+    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, llama3-8b, llama2-70b; "
+                                                    "or hf:PATH, a transformers model directory or config.json")),
     ("strategy", Optional[str], _opt(None, "--strategy", help="single, ddp, zero1, zero2, zero3, fsdp, hsdp, model, "
                                                                 "tp, tp-sp, pp, cp-ring, cp-ulysses, auto")),
     ("nproc", Optional[int], _opt(None, "--nproc", help="processes (devices) on this machine")),
@@ -320,7 +321,7 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
           plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
           as_json: bool = typer.Option(False, "--json", help="print the JSON result on stdout"),
           config: Optional[Path] = typer.Option(None, "--config", help="TOML run config for everything else"),
-          model: Optional[str] = typer.Option(None, "--model", help="model preset"),
+          model: Optional[str] = typer.Option(None, "--model", help="model preset, or hf:PATH"),
           seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence"),
           micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
                                                     help="sequences per device (weak scaling)"),
@@ -349,8 +350,8 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
 
 # -- plan ----------------------------------------------------------------------------------------------------------
 @app.command()
-def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset (see train --help)"),
-         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="a Hugging Face config.json (gpt2, llama)"),
+def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset (see train --help), or hf:PATH"),
+         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="a Hugging Face config.json or its directory (any decoder-only causal LM)"),
          gpu: Optional[str] = typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
                                                                "rtx4090, l4, l40s, cpu"),
          gpus: Optional[int] = typer.Option(None, "--gpus", help="total GPUs (devices)"),

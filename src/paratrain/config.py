@@ -178,10 +178,14 @@ def load_config(path: str | None, overrides: dict) -> TrainConfig:
 
 
 def check_names(cfg: TrainConfig) -> None:
+    from paratrain.models.hf_model import hf_location, is_hf_model
     from paratrain.models.presets import get_preset
 
     if cfg.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {cfg.strategy!r}; known strategies: {', '.join(STRATEGIES)}")
-    get_preset(cfg.model)
+    if is_hf_model(cfg.model):
+        hf_location(cfg.model)
+    else:
+        get_preset(cfg.model)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UserError(f"--resume path not found: {cfg.resume}")

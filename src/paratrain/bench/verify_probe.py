@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.models.hf_pipeline import hf_name
+
 # wrapper path components (DDP, torch.compile, activation checkpointing, FSDP1) that are not part of the model
 STRIP = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
@@ -32,7 +34,7 @@ def full_tensors(model_parts, kind: str, scale: float = 1.0) -> dict[str, torch.
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             t = t.float().cpu().clone()
-            out[clean_name(name)] = t / scale if scale != 1.0 else t
+            out[hf_name(getattr(part, "module", part), clean_name(name))] = t / scale if scale != 1.0 else t
     return out
 
 
@@ -40,6 +42,11 @@ def fingerprinted(path: str) -> bool:
     """Top-level modules, each block and the block's direct children (norms, attention, MLP): their outputs are
     whole or DTensors under every strategy (unlike a column-parallel linear's local output)."""
     parts = path.split(".") if path else []
+    if parts[:1] == ["hf"]:  # a transformers model (models/hf_model.py): hf.<base model>.<layer list>.N...
+        parts = parts[2:] if len(parts) > 2 else parts[1:]
+        if len(parts) >= 2 and parts[1].isdigit():
+            return len(parts) in (2, 3)
+        return len(parts) == 1 and path.count(".") >= 1
     if parts[:1] == ["layers"]:
         return len(parts) in (2, 3)
     return len(parts) == 1
@@ -62,6 +69,20 @@ def local_fingerprint(output: torch.Tensor, tp_rank: int) -> torch.Tensor | None
                         x.abs().sum()]).cpu()
 
 
+def batch_independent(part: nn.Module, path: str, module: nn.Module) -> bool:
+    """A transformers model's modules whose output is the same on every rank whatever its data (rotary tables,
+    learned position tables): their sums over data-parallel ranks would not add up to the reference's."""
+    if not path.startswith("hf."):
+        return False
+    if next(module.parameters(), None) is None:
+        return True
+    if isinstance(module, nn.Embedding):
+        token_tables = {id(m.hf.get_input_embeddings()) for m in part.modules() if hasattr(m, "use_attention")}
+        token_tables |= {id(m.tok_embeddings) for m in part.modules() if getattr(m, "hf_prefixes", None)}  # a stage
+        return id(module) not in token_tables
+    return False
+
+
 def _in_backward() -> bool:
     # activation checkpointing recomputes forwards inside backward: those calls are not new activations
     return torch._C._current_graph_task_id() != -1
@@ -78,8 +99,8 @@ class Fingerprints:
         for part in model_parts:
             seen = set()
             for name, module in part.named_modules():
-                path = clean_name(name)
-                if not fingerprinted(path) or path in seen:
+                path = hf_name(getattr(part, "module", part), clean_name(name))
+                if not fingerprinted(path) or path in seen or batch_independent(part, path, module):
                     continue
                 seen.add(path)  # the outermost module of that path: wrappers (AC, compile) share it
                 self.handles.append(module.register_forward_hook(self._hook(path)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.errors import UserError
+from paratrain.models.hf_model import is_hf_model
 from paratrain.models.llama import ModelArgs, Transformer
 
 PRESETS: dict[str, ModelArgs] = {
@@ -53,8 +54,15 @@ def model_args_for(cfg) -> ModelArgs:
     and room for its sequence length."""
     import dataclasses
 
-    args = get_preset(cfg.model)
     shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
+    if is_hf_model(cfg.model):  # a transformers model's config.json: its own shape, no overrides
+        from paratrain.models.hf_args import hf_model_args
+
+        if shape:
+            raise UserError(f"--model {cfg.model} takes its shape from its config.json; edit that instead of "
+                            f"--{next(iter(shape)).replace('_', '-')}")
+        return hf_model_args(cfg.model, cfg.seq_len)
+    args = get_preset(cfg.model)
     if shape:
         args = dataclasses.replace(args, name=f"{args.name}-custom", **shape)
         if args.dim % args.n_heads or args.head_dim % 2:

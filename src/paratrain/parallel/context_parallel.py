@@ -46,6 +46,13 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring") -> nn.Module:
     if impl not in CP_IMPLS:
         raise UserError(f"unknown --cp-impl {impl!r}; choose one of {', '.join(CP_IMPLS)}")
     attn_fn = functools.partial(CP_IMPLS[impl], group=cp_mesh.get_group())
+    if hasattr(model, "use_attention"):  # a transformers model: through its own attention-function registry
+        from paratrain.parallel.hf_attention import register_attention
+
+        model.use_attention(register_attention(f"paratrain-cp-{impl}", attn_fn))
+        log.info("applied context parallel (%s attention) over %d ranks through transformers' attention registry",
+                 impl, cp_mesh.size())
+        return model
     layers = getattr(model, "layers", None) or {}
     for block in layers.values():
         block.attention.attn_fn = attn_fn

@@ -20,6 +20,7 @@ from paratrain.errors import UserError
 
 MUTATION_ENV = "PARATRAIN_TEST_MUTATION"
 FSDP_SKIPPED = "layers.0.feed_forward.w1.weight"  # (b): the parameter whose shard rank 1 does not update
+FSDP_SKIPPED_HF = "hf.model.layers.0.mlp.gate_proj.weight"  # (b) in a transformers Llama-style model
 TP_FAULTY_LAYER = "1"  # (c): the block whose row-parallel w2 skips its all-reduce
 MUTATIONS = {
     "dp-grad-sum": "(a) DDP sums gradients over the data-parallel ranks instead of averaging them",
@@ -58,7 +59,7 @@ def skip_shard_update(model_parts) -> None:
         return
     for part in model_parts:
         for name, param in part.named_parameters():
-            if _plain_name(name) == FSDP_SKIPPED:
+            if _plain_name(name) in (FSDP_SKIPPED, FSDP_SKIPPED_HF):
                 param.grad = None
 
 
@@ -71,18 +72,22 @@ class RowwiseWithoutReduce(RowwiseParallel):
 
 
 def row_parallel_without_reduce(model, plan: dict) -> dict:
-    """Spell out the per-block w2 entries and give block TP_FAULTY_LAYER the style without the all-reduce."""
-    key = "layers.*.feed_forward.w2"
+    """Spell out the per-block entries of the plan's last row-parallel block entry (the MLP's down projection:
+    "layers.*.feed_forward.w2", or a transformers model's "hf.model.layers.*.mlp.down_proj") and give block
+    TP_FAULTY_LAYER the style without the all-reduce."""
+    keys = [k for k, style in plan.items() if ".*." in k and isinstance(style, RowwiseParallel)]
     layers = getattr(model, "layers", None) or {}
-    if not isinstance(plan.get(key), RowwiseParallel) or TP_FAULTY_LAYER not in layers:
+    names = list(layers) if isinstance(layers, dict | torch.nn.ModuleDict) else [str(i) for i in range(len(layers))]
+    if not keys or TP_FAULTY_LAYER not in names:
         return plan
+    key = keys[-1]
     plan = dict(plan)
     style = plan.pop(key)
-    for name in layers:
+    for name in names:
         entry = copy.copy(style)
         if name == TP_FAULTY_LAYER:
             entry.__class__ = RowwiseWithoutReduce
-        plan[f"layers.{name}.feed_forward.w2"] = entry
+        plan[key.replace(".*.", f".{name}.", 1)] = entry
     return plan
 
 

@@ -25,7 +25,10 @@ def resolve_model(model: str | None, hf_config: str | None):
         args = load_hf_config(hf_config)
         return args, args.name
     from paratrain.models.presets import get_preset
+    from paratrain.plan.hf_config import load_hf_config, plans_hf_model
 
+    if plans_hf_model(model):  # --model hf:PATH: a transformers config.json, as --hf-config reads it
+        return load_hf_config(model), model
     return get_preset(model), model
 
 

@@ -1,6 +1,8 @@
-"""Read a Hugging Face `config.json` into ModelArgs (plan --hf-config): GPT-2 style or Llama style.
+"""Read a Hugging Face `config.json` into ModelArgs (plan --hf-config FILE|DIR, plan --model hf:PATH).
 
-Only the shape is read, as data (json), never code; nothing is downloaded.
+gpt2, llama, mistral and qwen2 configs are read from the bare JSON (no transformers needed); any other
+decoder-only causal LM transformers ships is read through its own config class (models/hf_args.py). Only the
+shape is read, as data (json), never code; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from pathlib import Path
 from paratrain.errors import UserError, read_json_file
 from paratrain.models.llama import ModelArgs
 
-LLAMA_TYPES = ("llama", "mistral")
+LLAMA_TYPES = ("llama", "mistral", "qwen2")  # qwen2: + q/k/v biases, a rounding error in the count
 
 
 def _need(doc: dict, key: str, path: str):
@@ -46,13 +48,27 @@ def args_from_hf_config(doc: dict, path: str = "config.json") -> ModelArgs:
         if args.dim % heads or heads % args.kv_heads:
             raise UserError(f"{path}: hidden_size {args.dim} / {heads} heads / {args.kv_heads} kv heads do not divide")
         return args
-    raise UserError(f"{path}: model_type {kind!r} is not supported; --hf-config reads gpt2 and "
-                    f"{', '.join(LLAMA_TYPES)} configs")
+    from paratrain.models.hf_args import args_from_doc
+
+    return args_from_doc(doc, name)
 
 
 def load_hf_config(path: str | Path) -> ModelArgs:
-    p = Path(path)
-    doc = read_json_file(p, "--hf-config")
+    """A config.json file, a directory holding one, or `hf:PATH`."""
+    from paratrain.models.hf_model import hf_location, read_hf_config
+
+    config_path, _ = hf_location(str(path))
+    doc = read_json_file(config_path, "--hf-config")
     if not isinstance(doc, dict):
         raise UserError(f"--hf-config {path} must hold a JSON object")
+    if doc.get("model_type") in ("gpt2", *LLAMA_TYPES):
+        return args_from_hf_config(doc, str(path))
+    read_hf_config(str(path))  # refuses remote code and configs without a model_type
     return args_from_hf_config(doc, str(path))
+
+
+def plans_hf_model(model: str | None) -> bool:
+    """`plan --model hf:PATH` names a transformers model rather than a preset."""
+    from paratrain.models.hf_model import is_hf_model
+
+    return is_hf_model(model)

@@ -15,6 +15,9 @@ import torch.distributed as dist
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
+from paratrain.models.hf_model import build_hf_model, check_hf_run, is_hf_model
+from paratrain.models.hf_pipeline import pipeline_view
+from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.parallel.compile import compile_loss
@@ -63,7 +66,14 @@ class Trainer:
 
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
-        model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
+        self.hf = custom is None and is_hf_model(cfg.model)
+        if self.hf:  # a transformers model (--model hf:PATH): its own module tree, its own TP plan
+            check_hf_run(layout, cfg, self.args)
+            model = build_hf_model(cfg.model, cfg.seed)
+            if layout.pp_enabled:  # the same modules, seen as embedding / layers / norm / head for the stage split
+                model = pipeline_view(model, self.args)
+        else:
+            model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
         self.model_name = custom.name if custom else self.args.name
         self.model_meta = custom.describe(model) if custom else self.args.to_dict()
         if cfg.init_from:  # into the full model, before any strategy shards it
@@ -112,7 +122,8 @@ class Trainer:
     def _build_step_runner(self, model):
         layout = self.layout
         use_autocast = layout.dtype != "fp32"
-        plan_for = self.custom.plan_for if self.custom else functools.partial(tp_plan_for, tp=layout.tp, sp=layout.sp)
+        plan_for = self.custom.plan_for if self.custom else \
+            functools.partial(hf_tp_plan if self.hf else tp_plan_for, tp=layout.tp, sp=layout.sp)
         if layout.pp_enabled:
             from paratrain.train.pipeline_step import build_pipeline_step
 

@@ -6,6 +6,7 @@ import os
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
+from paratrain.models.hf_model import check_hf_run, is_hf_model
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
@@ -33,6 +34,8 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
         check_tp_divides(args, cfg.tp)
     layout = resolve_layout(cfg, world_size)
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
+    if is_hf_model(cfg.model):  # what a transformers model cannot run, before any process starts
+        check_hf_run(layout, cfg, args)
     check_precision(cfg, layout, device_type)
     make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
     from paratrain.train.evaluate import build_validator

@@ -1,0 +1,53 @@
+"""The shape of a Hugging Face causal LM as ModelArgs: what check_layout, FLOP counts and the planner read.
+
+Read through transformers' own config class when it is installed (its attribute_map gives every architecture
+the common names: hidden_size, num_hidden_layers, ...); gpt2, llama, mistral and qwen2 configs are also read
+from the bare JSON, so `plan` works without the extra. MLP kind: gated (SwiGLU-like, three matrices) unless
+the model type is in UNGATED, the GELU two-matrix MLP of GPT-2 and its kin.
+"""
+
+from __future__ import annotations
+
+from paratrain.errors import UserError
+from paratrain.models.hf_model import hf_config_object, read_hf_config
+from paratrain.models.llama import ModelArgs
+
+UNGATED = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "phi", "falcon", "starcoder2", "bloom")
+
+
+def _positive(value, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{where}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def hf_model_args(spec: str, seq_len: int | None = None) -> ModelArgs:
+    """ModelArgs of `hf:PATH` (its name is the spec), with room for `seq_len`."""
+    doc = read_hf_config(spec)
+    return args_from_doc(doc, spec, seq_len)
+
+
+def args_from_doc(doc: dict, name: str, seq_len: int | None = None) -> ModelArgs:
+    config = hf_config_object(doc, name)
+    kind = doc["model_type"]
+
+    def get(key: str, default=None):
+        value = getattr(config, key, None)
+        return default if value is None else value
+
+    dim = _positive(get("hidden_size"), "hidden_size", name)
+    heads = _positive(get("num_attention_heads"), "num_attention_heads", name)
+    kv = _positive(get("num_key_value_heads", heads), "num_key_value_heads", name)
+    gated = kind not in UNGATED
+    ffn = get("intermediate_size") or get("n_inner") or get("ffn_dim") or 4 * dim
+    positions = get("max_position_embeddings") or get("n_positions") or 2048
+    learned_positions = get("n_positions") is not None  # GPT-2 style: a table, no room beyond it
+    if learned_positions and seq_len and seq_len > positions:
+        raise UserError(f"{name}: --seq-len {seq_len} is longer than the model's {positions} learned positions")
+    if dim % heads or heads % kv:
+        raise UserError(f"{name}: hidden_size {dim} / {heads} heads / {kv} kv heads do not divide")
+    return ModelArgs(name=name, family="llama" if gated else "gpt2", vocab_size=_positive(get("vocab_size"), "vocab_size", name),
+                     dim=dim, n_layers=_positive(get("num_hidden_layers"), "num_hidden_layers", name), n_heads=heads,
+                     n_kv_heads=kv, ffn_dim=_positive(int(ffn), "intermediate_size", name),
+                     max_seq_len=max(int(positions), seq_len or 0),
+                     tie_embeddings=bool(get("tie_word_embeddings", False)))

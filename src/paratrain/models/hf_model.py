@@ -1,0 +1,165 @@
+"""A Hugging Face transformers causal LM under paratrain: `--model hf:PATH` built from a local config.json.
+
+`build_hf_model` makes the model from the config (random init with the run's seed, or the directory's
+*.safetensors when present) and wraps it in `HFCausalLM`, which takes token ids (and, under context
+parallelism, their global positions) and returns logits, as paratrain's own models do. Nothing is downloaded,
+no remote code runs: the config is read as JSON and must name a model type transformers ships.
+
+The loss is paratrain's (next-token cross entropy on the logits, targets shifted by the data loader); it
+gives the same numbers as the model's own `labels=` loss (labels shifted inside the model), which
+tests/models/test_hf_model.py checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paratrain.errors import UserError, read_json_file
+
+HF_PREFIX = "hf:"
+
+
+def is_hf_model(name: str | None) -> bool:
+    return bool(name) and name.startswith(HF_PREFIX)
+
+
+def require_transformers():
+    """transformers, or one line naming the extra that installs it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise UserError("--model hf:PATH needs the optional 'hf' extra (transformers is not installed): "
+                        "pip install 'paratrain[hf]'") from None
+
+
+def hf_location(spec: str) -> tuple[Path, Path | None]:
+    """(config.json path, directory holding weights or None) of `hf:PATH`."""
+    path = Path(spec[len(HF_PREFIX):] if is_hf_model(spec) else spec)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise UserError(f"--model {spec}: {path} holds no config.json")
+        return config, path
+    if path.is_file():
+        return path, None
+    raise UserError(f"--model {spec}: no such directory or config.json: {path}")
+
+
+def read_hf_config(spec: str) -> dict:
+    config_path, _ = hf_location(spec)
+    doc = read_json_file(config_path, "--model hf:")
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise UserError(f"{config_path}: a Hugging Face config.json must be a JSON object naming its model_type")
+    if doc.get("auto_map"):
+        raise UserError(f"{config_path}: the config asks for remote code (auto_map); paratrain never runs it")
+    return doc
+
+
+def hf_config_object(doc: dict, where: str = "config.json"):
+    """The transformers config class of `model_type`, filled from the JSON: only types transformers ships."""
+    transformers = require_transformers()
+    kind = doc["model_type"]
+    try:
+        config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in doc.items() if k != "model_type"})
+    except ValueError:
+        raise UserError(f"{where}: model_type {kind!r} is not a model transformers {transformers.__version__} "
+                        "ships") from None
+    auto = transformers.models.auto.modeling_auto
+    # BERT-like encoders also have a causal-LM head class; their masked-LM head gives them away
+    if getattr(config, "is_encoder_decoder", False) or type(config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING or \
+            type(config) in auto.MODEL_FOR_MASKED_LM_MAPPING:
+        raise UserError(f"{where}: {kind} is not a decoder-only causal LM (AutoModelForCausalLM has no such model)")
+    return config
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder blocks, found through the model's own `_no_split_modules` (no per-architecture table)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in names:
+            return module
+    raise UserError(f"{type(model).__name__}: no list of decoder layers named by its _no_split_modules {sorted(names)}")
+
+
+class HFCausalLM(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab) through a transformers *ForCausalLM held as `hf`."""
+
+    def __init__(self, hf_model: nn.Module, name: str):
+        super().__init__()
+        self.hf = hf_model
+        self.name = name
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        # a property, not a submodule: the blocks keep their one name (hf.model.layers.N) in state dicts
+        return decoder_layers(self.hf)
+
+    @property
+    def tied(self) -> bool:
+        out, inp = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
+        return out is not None and out.weight is inp.weight
+
+    def use_attention(self, name: str) -> None:
+        """Route every attention call through the function registered under `name` in transformers' registry."""
+        self.hf.config._attn_implementation = name
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        position_ids = None if positions is None else positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        return self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+
+
+def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:
+    """The model `hf:PATH` names, in fp32 on CPU: random weights from `seed`, or the directory's safetensors."""
+    transformers = require_transformers()
+    doc = read_hf_config(spec)
+    config = hf_config_object(doc, spec)
+    _, weights_dir = hf_location(spec)
+    if seed is not None:
+        torch.manual_seed(seed)  # the same initial weights on every rank and in the single-device reference
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    files = sorted(weights_dir.glob("*.safetensors")) if weights_dir else []
+    if files:
+        load_safetensors(model, files)
+    return HFCausalLM(model, spec)
+
+
+def load_safetensors(model: nn.Module, files: list[Path]) -> None:
+    """Every tensor of the model from the files (a tied head may be absent); missing or foreign names fail."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    result = model.load_state_dict(state, strict=False)
+    tied = {n for n in result.missing_keys if model.get_output_embeddings() is not None
+            and n.startswith("lm_head") and model.get_output_embeddings().weight is model.get_input_embeddings().weight}
+    missing = [n for n in result.missing_keys if n not in tied]
+    if missing or result.unexpected_keys:
+        raise UserError(f"{files[0].parent}: the safetensors do not match the config: missing {missing[:3]}, "
+                        f"unexpected {result.unexpected_keys[:3]}")
+
+
+def check_hf_run(layout, cfg, args) -> None:
+    """What a transformers model cannot do under paratrain (yet), refused in one line before any process starts
+    (train/validate.py) and again in each worker. `args`: the model's ModelArgs (models/hf_args.py)."""
+    if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
+        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
+                        "pp composes with data parallelism (ddp, zero, hsdp) here")
+    if cfg.init_from:
+        raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
+                        "are loaded by --model hf:DIR")
+    kind = read_hf_config(cfg.model)["model_type"]
+    if layout.tp_enabled and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
+                                         "base_model_tp_plan", None):
+        raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
+                        "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+    if args.tie_embeddings and layout.tp_enabled and layout.sp:
+        raise UserError(f"{kind} ties its head to the token table: tp-sp is not supported for a tied Hugging Face "
+                        "model yet; use tp")
+    if args.tie_embeddings and layout.pp_enabled:
+        raise UserError(f"{kind} ties its head to the token table, which would sit on two pipeline stages; untie it "
+                        "(tie_word_embeddings: false) or use another strategy")

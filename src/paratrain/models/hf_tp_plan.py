@@ -1,0 +1,154 @@
+"""A transformers model's own tensor-parallel plan (`base_model_tp_plan`), translated to DTensor styles.
+
+The model's config class names, per decoder-block module, "colwise" or "rowwise" (Megatron's recipe). We take
+those entries as they are, then give every module the plan leaves out a layout, so that each parameter is a
+DTensor on the tp mesh (foreach optimizers, grad clipping and FSDP's 2-D sharding need that): the token table
+vocab-sharded, the head column-parallel (vocab-sharded logits under loss parallel), and norms whole
+(ReplicateParallel) or, with sequence parallel, sharded on the sequence. Sequence parallel also makes each
+row-parallel output a sequence-sharded DTensor and gathers the sequence back at each sub-layer's entry.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from paratrain.errors import UserError
+from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, VocabParallelEmbedding
+
+# transformers' style names we translate; the first four split a linear (their parents gather the sequence under SP)
+KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+                "sequence_parallel")
+
+
+class GatherSequenceInput(ParallelStyle):
+    """At a sub-layer's entry (attention, MLP) under SP: every sequence-sharded DTensor argument, positional or
+    keyword, becomes Replicate (SP's all-gather), whatever the model's call convention."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def whole(x):
+            if isinstance(x, DTensor) and any(p.is_shard() for p in x.placements):
+                return x.redistribute(x.device_mesh, [Replicate()])
+            return x
+
+        def hook(_module, args, kwargs):
+            return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class HeadShardedNorm(ParallelStyle):
+    """transformers' "replicated_with_grad_allreduce": a norm kept whole on every rank but applied to this rank's
+    attention heads (per-head q/k norms). Its input is read as Shard on the heads dimension (-2 of
+    (batch, seq, heads, head_dim)), so DTensor sums the weight's gradient over the tp ranks, as the name asks."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def heads_of_this_rank(_module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def local(_module, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=heads_of_this_rank, output_fn=local)
+
+
+def model_tp_plan(hf_model: nn.Module) -> dict[str, str]:
+    """The config class's `base_model_tp_plan` (module path under the base model -> style name), or refuse."""
+    plan = getattr(hf_model.config, "base_model_tp_plan", None) or getattr(type(hf_model.config), "base_model_tp_plan", None)
+    if not plan:
+        raise UserError(f"{type(hf_model).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
+                        "run it with a data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+    odd = sorted({style for style in plan.values() if style not in KNOWN_STYLES})
+    if odd:
+        raise UserError(f"{type(hf_model).__name__}'s tensor-parallel plan uses {', '.join(odd)}, which paratrain does "
+                        f"not translate (it handles {', '.join(KNOWN_STYLES)}); use a data-parallel strategy")
+    return dict(plan)
+
+
+def translate(style: str, sp: bool) -> ParallelStyle:
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    # SP: a row-parallel output is reduce-scattered over the sequence and stays a DTensor (global shapes)
+    rowwise_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    if style == "rowwise":
+        return RowwiseParallel(**rowwise_out)
+    if style == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), **rowwise_out)
+    if style == "sequence_parallel":
+        return SequenceParallel() if sp else ReplicateParallel()
+    return HeadShardedNorm()  # replicated_with_grad_allreduce
+
+
+def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
+    """The whole plan for an HFCausalLM (keys relative to it: "hf.model.layers.*.self_attn.q_proj")."""
+    hf = model.hf
+    base = f"hf.{hf.base_model_prefix}." if getattr(hf, hf.base_model_prefix, None) is not None else "hf."
+    styles = model_tp_plan(hf)
+    plan: dict = {}
+    if sp:
+        # the parents of the split linears ("layers.*.self_attn", "layers.*.mlp") gather the sequence on entry
+        for parent in dict.fromkeys(path.rpartition(".")[0] for path, s in styles.items() if s in KNOWN_STYLES[:4]):
+            plan[base + parent] = GatherSequenceInput()
+    plan.update({base + path: translate(style, sp) for path, style in styles.items()})
+    named = {id(m): n for n, m in model.named_modules()}
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    if tied and sp:
+        raise UserError(f"{type(hf).__name__} ties its head to the token table: tp-sp is not supported for a tied "
+                        "Hugging Face model yet; use tp")
+    stream = Shard(1) if sp else Replicate()
+    table = VocabParallelEmbedding if tied else RowwiseParallel
+    plan[named[id(embedding)]] = table(input_layouts=Replicate(), output_layouts=stream, use_local_output=not sp)
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own or module is head or module is embedding or _covered(name, plan):
+            continue
+        if isinstance(module, nn.Embedding):  # e.g. learned positions: whole on every rank
+            plan[_wildcard(name)] = ReplicateParallel()
+            continue
+        if not _is_norm(module):
+            raise UserError(f"{type(hf).__name__}: module {name} ({type(module).__name__}) holds parameters its "
+                            "tensor-parallel plan does not place; use a data-parallel strategy")
+        # under SP only the norms on the residual stream see sequence-sharded input; one inside a sub-layer
+        # (e.g. OLMo2's q/k norms after a gathered projection) sees whole tensors
+        plan[_wildcard(name)] = SequenceParallel() if sp and _on_residual_stream(name) else ReplicateParallel()
+    if head is not None:
+        out = dict(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                   use_local_output=not loss_parallel)
+        plan[named[id(head)]] = TiedColwiseParallel(embedding, **out) if tied else ColwiseParallel(**out)
+    return plan
+
+
+def _covered(name: str, plan: dict) -> bool:
+    from fnmatch import fnmatch
+
+    parts = name.split(".")
+    return any(len(k.split(".")) == len(parts) and all(fnmatch(a, b) for a, b in zip(parts, k.split(".")))
+               for k in plan)
+
+
+def _wildcard(name: str) -> str:
+    """hf.model.layers.3.input_layernorm -> hf.model.layers.*.input_layernorm (one entry for all blocks)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _on_residual_stream(name: str) -> bool:
+    """A block's own norm (…layers.3.input_layernorm) or one outside the blocks (…norm), not one nested deeper."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return index is None or len(parts) - index == 2
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or "norm" in type(module).__name__.lower()

@@ -1,0 +1,69 @@
+"""verify on tiny transformers models, every strategy, in ONE 4-rank process group (gloo, CPU), run by
+test_hf_verify.py.
+
+    python tests/models/hf_verify_worker.py DIR   -> one JSON document on stdout
+
+DIR holds the configs of hf_configs.py. Each run compares against the unwrapped transformers model on one
+device (rank 0; the same seed, weights and batches). Then the same verify with a bug planted
+(parallel/mutations.py) must fail: the harness still sees through a transformers model's module tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+NPROC = 4
+BASE = {"steps": 2, "timeout_s": 90.0, "device": "cpu", "resume": "never", "ckpt_every": 0, "metrics": False,
+        "nproc": NPROC, "seq_len": 32, "global_batch": 8}
+EVERY_STRATEGY = {
+    "ddp": {"strategy": "ddp"}, "zero2": {"strategy": "zero2"}, "zero3": {"strategy": "zero3"},
+    "hsdp": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": {"strategy": "tp"},
+    "tp-sp": {"strategy": "tp-sp"}, "cp-ring": {"strategy": "cp-ring"}, "cp-ulysses": {"strategy": "cp-ulysses"},
+    "dp_shard2xtp2": {"dp_shard": 2, "tp": 2},
+    "pp-1f1b": {"strategy": "pp", "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+}
+RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY] + \
+       [(model, name) for model in ("mistral", "gpt2") for name in ("ddp", "zero3")]
+MUTATIONS = {"dp-grad-sum": "ddp", "fsdp-skip-update": "zero3", "tp-row-no-reduce": "tp",
+             "cp-rope-positions": "cp-ring"}
+KEEP = ("passed", "checks", "first_divergence", "dims", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_rel_diff",
+        "max_act_rel_diff", "compared")
+
+
+def one(rt, root: Path, model: str, strategy: str, mutation: str | None = None) -> dict | None:
+    from paratrain.bench.verify import verify_in_group
+    from paratrain.config import TrainConfig
+    from paratrain.parallel.mutations import MUTATION_ENV
+
+    os.environ[MUTATION_ENV] = mutation or ""
+    try:
+        cfg = TrainConfig(**{**BASE, **EVERY_STRATEGY[strategy], "model": f"hf:{root / model}"})
+        report = verify_in_group(cfg, rt)
+    finally:
+        os.environ.pop(MUTATION_ENV, None)
+    return {k: report.get(k) for k in KEEP} if report else None
+
+
+def worker(root: str) -> dict | None:
+    from paratrain.train.runtime import init_runtime, shutdown
+    from paratrain.train.worker import setup_logging
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    rt = init_runtime("cpu", 90.0)
+    out = {"clean": {f"{m}/{s}": one(rt, Path(root), m, s) for m, s in RUNS},
+           "mutated": {name: one(rt, Path(root), "llama", strategy, name) for name, strategy in MUTATIONS.items()}}
+    shutdown()
+    return out if rt.is_main else None
+
+
+def main() -> None:
+    from paratrain.train.launch import run_workers
+
+    print(json.dumps(run_workers(worker, (sys.argv[1],), nproc=NPROC, timeout_s=90.0)[0], default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
