@@ -47,7 +47,7 @@ def test_the_22b_example_answers_in_seconds_and_never_runs_ring_attention(config
     best = doc["candidates"][0]
     assert doc["fits"] and best["dims"]["tp"] == 8 and best["activation_checkpointing"] == "full"
     # the run command names the config file, not its folder ("--model tmp" does not exist)
-    assert f"--hf-config {config_22b}" in best["command"] and "--model" not in best["command"]
+    assert f"--model hf:{config_22b}" in best["command"] and "--hf-config" not in best["command"]
     assert 0.5 < best["step_time_s"] < 3.0  # Korthikanti et al. measured 1.42 s
 
 

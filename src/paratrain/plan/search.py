@@ -42,8 +42,8 @@ class Job:
         return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
 
     def model_flags(self) -> list[str]:
-        """How `paratrain train` names this model: the preset, or the config file it was read from."""
-        return ["--hf-config", self.hf_config] if self.hf_config else ["--model", self.model_name]
+        """How `paratrain train` names this model: the preset, or (hf:) the config file it was read from."""
+        return ["--model", f"hf:{self.hf_config}"] if self.hf_config else ["--model", self.model_name]
 
     @property
     def flops_per_token(self) -> float:
