@@ -85,6 +85,12 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),
     ("metrics", Optional[bool], _opt(None, "--metrics/--no-metrics", help="write RUNDIR/metrics.jsonl")),
+    ("monitor", Optional[bool], _opt(None, "--monitor/--no-monitor",
+                                     help="breakdown every N steps, alerts, Prometheus text (docs/monitoring.md)")),
+    ("monitor_every", Optional[int], _opt(None, "--monitor-every", help="steps per monitor window (default 10)")),
+    ("monitor_windows", Optional[int], _opt(None, "--monitor-windows",
+                                            help="consecutive windows over a threshold before an alert (default 3)")),
+    ("monitor_port", Optional[int], _opt(None, "--monitor-port", help="serve Prometheus text on 127.0.0.1:PORT")),
 ]
 TRAIN_KEYS = [name for name, _, _ in TRAIN_OPTIONS]
 
