@@ -296,6 +296,8 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
            trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (opens in Perfetto)"),
            mem_budget_gib: Optional[float] = typer.Option(None, "--mem-budget-gib",
                                                           help="memory per device to judge against (GiB)"),
+           probe_rounds: int = typer.Option(3, "--probe-rounds",
+                                            help="rounds of counterfactual probe steps (0: exposure only)"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
     """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
@@ -308,7 +310,7 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
     from paratrain.doctor.report import format_report
     from paratrain.doctor.run import run_doctor
 
-    report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib)
+    report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib, probe_rounds)
     if report is None:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
     sys.stderr.write(format_report(report))
