@@ -7,7 +7,8 @@ logging are the real ones), in three windows:
                data wait and peak memory come from these steps, which run as under `paratrain train`
     profiled   torch.profiler on, only to split each phase into compute, exposed collectives and host time
                (as fractions) and for the trace file; its time and memory never enter the figures
-Then the counterfactual probes (doctor/counterfactual.py). Rank 0 gathers every rank's numbers.
+The counterfactual probes (doctor/counterfactual.py) run between the measured and the profiled window.
+Rank 0 gathers every rank's numbers.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class CaptureSession:
         if step == measured_end:
             self.rusage = resource.getrusage(resource.RUSAGE_SELF)
             self.memory = self._memory_now()
+            self._run_probes()
             self.timer.annotate = True
             self._start_profiler()
         if step == measured_end + PROFILED_STEPS:
@@ -120,8 +122,9 @@ class CaptureSession:
             out["memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return out
 
-    def after_training(self) -> None:
-        """The counterfactual probes, on the last step's batch, once the loop (and its loader) has stopped."""
+    def _run_probes(self) -> None:
+        """The counterfactual probes, on the last measured step's batch, before the profiler ever starts
+        (after a profiler session, the optimizer step of a DDP run was measured 2-4x slower)."""
         from paratrain.doctor.counterfactual import run_probes
 
         self.probes = run_probes(self.trainer, self.staged, self.probe_rounds)
@@ -236,7 +239,6 @@ def doctor_worker(cfg_dict: dict, run_dir: str, warmup: int, steps: int, trace: 
         session = CaptureSession(trainer, warmup, steps, Path(trace) if trace else None, probe_rounds)
         session.before_training()
         summary = trainer.fit(on_step=session.on_step)
-        session.after_training()
         local = session.finish()
         ranks = gather_to_rank0(local)
         # free the profiler and the model while the process group still exists: left to the frame's

@@ -3,7 +3,7 @@
 Exposed time understates a cause that competes with compute for the same cores or memory bandwidth (gloo's
 threads, a loader's decoding): its cost is what the step saves without it. After the measured and profiled
 steps, every rank runs the same probe steps on one pre-staged batch, interleaved round by round so drift in
-the machine's load hits every variant alike:
+the machine's load hits every variant alike (the fastest round of each counts):
     staged        the full step on data already on the device
     no_grad_sync  the gradient all-reduce skipped (DDP's no_sync); only where the layout is plain DDP
     no_optimizer  clipping and the optimizer step skipped
@@ -13,7 +13,6 @@ Probe steps change the parameters; doctor keeps no checkpoint, so nothing of the
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import torch
@@ -33,26 +32,33 @@ def _no_grad_sync(trainer):
     return stack
 
 
-def probe_step(trainer, micro_batches, sync: bool = True, optimizer: bool = True) -> float:
-    """Seconds for one step on pre-staged micro-batches, with the gradient sync and/or optimizer removed."""
-    device = trainer.rt.device
+def _now(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    return time.perf_counter()
+
+
+def probe_step(trainer, micro_batches, sync: bool = True, optimizer: bool = True) -> dict:
+    """Seconds of one step on pre-staged micro-batches, with the gradient sync and/or optimizer removed:
+    {"step_s", "forward_backward_s", "optimizer_s"}."""
+    device = trainer.rt.device
+    t0 = _now(device)
     for opt in trainer.optimizers:
         opt.zero_grad(set_to_none=True)
     with (contextlib.nullcontext() if sync else _no_grad_sync(trainer)):
         local = trainer.step_runner.forward_backward(micro_batches)
+    t1 = _now(device)
     if optimizer:
         trainer.optimizer_step()
+    t2 = _now(device)
     trainer.global_loss(local)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    t3 = _now(device)
+    return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
 
 
 def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
-    """Median seconds per variant over `rounds` interleaved rounds (after one untimed step); None if rounds < 1."""
+    """Fastest seconds per variant and part over `rounds` interleaved rounds (after one untimed step);
+    None if rounds < 1."""
     if rounds < 1 or not micro_batches:
         return None
     variants = {"staged": {}, "no_optimizer": {"optimizer": False}}
@@ -61,25 +67,34 @@ def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
     phase_timer, trainer.phase_timer = trainer.phase_timer, None
     try:
         probe_step(trainer, micro_batches)
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        times: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(rounds):
             for name, kwargs in variants.items():
                 times[name].append(probe_step(trainer, micro_batches, **kwargs))
     finally:
         trainer.phase_timer = phase_timer
-    return {f"{name}_s": statistics.median(values) for name, values in times.items()} | {"rounds": rounds}
+    out: dict = {"rounds": rounds}
+    for name, rows in times.items():
+        for part in rows[0]:
+            key = name + ("_s" if part == "step_s" else "_" + part)
+            # the fastest round: the estimator least disturbed by other load on the machine
+            out[key] = min(r[part] for r in rows)
+    return out
 
 
 def counterfactual_costs(probes: dict | None, measured_step_s: float) -> dict:
     """Seconds per step each removable cause costs: the full step minus the step without it (>= 0).
 
     data_loading compares the real loop (loader included) with the staged step; the others compare probe
-    variants measured side by side. A cause no probe can remove is absent."""
+    variants measured side by side, on the part of the step the removal changes (skipping the gradient
+    sync changes forward+backward, so the optimizer's own run-to-run noise stays out of its difference).
+    A cause no probe can remove is absent."""
     if not probes:
         return {}
     staged = probes["staged_s"]
     costs = {"data_loading": max(0.0, measured_step_s - staged),
              "optimizer": max(0.0, staged - probes["no_optimizer_s"])}
-    if probes.get("no_grad_sync_s") is not None:
-        costs["communication"] = max(0.0, staged - probes["no_grad_sync_s"])
+    if probes.get("no_grad_sync_forward_backward_s") is not None:
+        costs["communication"] = max(0.0, probes["staged_forward_backward_s"] -
+                                     probes["no_grad_sync_forward_backward_s"])
     return costs
