@@ -298,6 +298,7 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
                                                           help="memory per device to judge against (GiB)"),
            probe_rounds: int = typer.Option(3, "--probe-rounds",
                                             help="rounds of counterfactual probe steps (0: exposure only)"),
+           html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
     """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
@@ -313,6 +314,10 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
     report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib, probe_rounds)
     if report is None:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
+    if html:
+        from paratrain.doctor.html_report import write_doctor_html
+
+        report["html"] = write_doctor_html(report, str(html))
     sys.stderr.write(format_report(report))
     if as_json:
         emit_json(report)
