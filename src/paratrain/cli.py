@@ -331,6 +331,7 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
           warmup: int = typer.Option(3, "--warmup", help="unmeasured steps first (>= 2)"),
           scaling: str = typer.Option("weak", "--scaling", help="weak (batch per device fixed) | strong"),
           plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
+          html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
           as_json: bool = typer.Option(False, "--json", help="print the JSON result on stdout"),
           config: Optional[Path] = typer.Option(None, "--config", help="TOML run config for everything else"),
           model: Optional[str] = typer.Option(None, "--model", help="model preset"),
@@ -353,6 +354,10 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
         from paratrain.bench.plot import plot_bench
 
         doc["plot"] = str(plot_bench(doc, plot))
+    if html is not None:
+        from paratrain.bench.html_report import write_bench_html
+
+        doc["html"] = write_bench_html(doc, str(html))
     sys.stderr.write(markdown_table(doc))
     if doc["plot"]:
         sys.stderr.write(f"plot: {doc['plot']}\n")
