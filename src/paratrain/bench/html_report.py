@@ -7,9 +7,6 @@ predicted, and the full table, with the prediction's calibration state on the pa
 from __future__ import annotations
 
 from html import escape
-from pathlib import Path
-
-from paratrain.errors import UserError
 
 PALETTE = ("#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#5d4037")
 W, H, PAD = 460, 300, 50
@@ -98,10 +95,6 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px}}.
 
 
 def write_bench_html(doc: dict, path: str) -> str:
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_bench_html(doc))
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return str(out)
+    from paratrain.doctor.html_report import write_html
+
+    return write_html(render_bench_html(doc), path)

@@ -125,11 +125,15 @@ def render_doctor_html(report: dict) -> str:
 """
 
 
-def write_doctor_html(report: dict, path: str) -> str:
+def write_html(page: str, path: str) -> str:
     out = Path(path)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_doctor_html(report))
+        out.write_text(page)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     return str(out)
+
+
+def write_doctor_html(report: dict, path: str) -> str:
+    return write_html(render_doctor_html(report), path)
