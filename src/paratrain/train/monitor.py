@@ -1,6 +1,6 @@
 """`train --monitor`: a breakdown every N steps from perf counters, alerts, and a Prometheus textfile.
 
-Each window of `monitor_every` steps becomes one `{"event": "monitor", ...}` line in RUNDIR/metrics.jsonl:
+Each window of `monitor_every` steps (from step 2: the first includes one-time setup) becomes one `{"event": "monitor", ...}` line in RUNDIR/metrics.jsonl:
 fractions of the step spent waiting for data, in forward+backward, in the optimizer and in the loss sync,
 plus throughput and the slowest rank's busy time against the median rank's. A cause over its threshold for
 `monitor_windows` consecutive windows raises one alert: a line on stderr and an `{"event": "alert"}` line.
@@ -67,6 +67,9 @@ class Monitor:
 
     def observe(self, record: dict) -> None:
         """Called after every step on every rank (the window's straggler exchange is a collective)."""
+        if record["step"] == 1:
+            self.clock.take()  # the first step includes one-time setup and the loader's first batch
+            return
         self.rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
                           "tokens_per_s": record["tokens_per_s"], "mfu": record.get("mfu"), "step": record["step"]})
         if len(self.rows) < self.every:
