@@ -32,7 +32,7 @@ def main() -> None:
     one_cfg = load_config(None, {**LARGE, "strategy": "single", "nproc": 1, "global_batch": 1})
     one = Trainer(one_cfg, rt, quiet=True, layout=resolve_layout(one_cfg, 1)) if rt.rank == 0 else None
     one_staged = [mb.to(rt.device) for mb in one.source.next_step()] if one else None
-    two_s, one_s, cf_s = [], [], []
+    two_s, one_s, cf_s, no_sync_s = [], [], [], []
     for _ in range(rounds):
         two_s.append(probe_step(ddp, staged)["step_s"])
         if one is not None:
@@ -40,8 +40,10 @@ def main() -> None:
         dist.barrier()
         probes = run_probes(ddp, staged, 1)
         cf_s.append(counterfactual_costs(probes, probes["staged_s"])["communication"])
+        no_sync_s.append(probes["no_grad_sync_s"])
     if rt.rank == 0:
-        print(json.dumps({"two_s": two_s, "one_s": one_s, "cf_s": cf_s, "pid": os.getpid()}), flush=True)
+        print(json.dumps({"two_s": two_s, "one_s": one_s, "cf_s": cf_s, "no_sync_s": no_sync_s,
+                          "pid": os.getpid()}), flush=True)
     shutdown()
 
 

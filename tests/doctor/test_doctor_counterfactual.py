@@ -30,11 +30,14 @@ def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # medians over rounds after the first (allocator and cache warm-up)
-    two, one, cf = (statistics.median(got[k][1:]) for k in ("two_s", "one_s", "cf_s"))
+    two, one, cf, no_sync = (statistics.median(got[k][1:]) for k in ("two_s", "one_s", "cf_s", "no_sync_s"))
     measured = two - one
     assert measured > 0, got
+    # when this fails with two ranks' no-sync step well above one rank's step, the gap beyond communication is
+    # the two ranks sharing cores with other load on the machine: the comparison needs a quiet machine
     assert abs(cf - measured) <= 0.25 * measured, (f"two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; "
-                                                   f"probe {cf:.4f} s; {got}")
+                                                   f"probe {cf:.4f} s; two ranks without the sync {no_sync:.4f} s; "
+                                                   f"{got}")
 
 
 @pytest.mark.timeout(300)
