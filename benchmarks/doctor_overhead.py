@@ -4,6 +4,8 @@ For each strategy the same configuration runs under `train` and under `doctor` (
 runs them), alternating round by round so the machine's load hits both alike, and prints:
     step ratio   doctor's reported step time / train's measured step time (mean over the same post-warm-up
                  steps: train's from RUNDIR/metrics.jsonl)
+    fastest      the same for the fastest step of each (doctor's step_time_fastest_s): on a shared machine the
+                 mean follows the other load, the fastest step much less
     peak ratio   doctor's reported peak memory / train's peak (rank 0; CPU: peak RSS, CUDA: allocator peak)
     monitor      `train --monitor`'s step time / plain train's (same steps, from each run's metrics.jsonl)
 Target: step and peak ratios 1.00 +- 0.05; monitor <= 1.02.
@@ -37,24 +39,24 @@ def paratrain(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def train_figures(strategy: str, steps: int, out: Path, *extra: str) -> tuple[float, float]:
+def train_figures(strategy: str, steps: int, out: Path, *extra: str) -> tuple[float, float, float]:
     summary = paratrain("train", "--strategy", strategy, *RUN, *PER_STRATEGY.get(strategy, []),
                         "--steps", str(WARMUP + steps), "--out", str(out), "--resume", "never", *extra)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows if r["step"] > WARMUP and "event" not in r]
-    return statistics.fmean(times), summary["peak_mem_gib"]
+    return statistics.fmean(times), summary["peak_mem_gib"], min(times)
 
 
-def doctor_figures(strategy: str, steps: int) -> tuple[float, float]:
+def doctor_figures(strategy: str, steps: int) -> tuple[float, float, float]:
     report = paratrain("doctor", "--strategy", strategy, *RUN, *PER_STRATEGY.get(strategy, []),
                        "--warmup", str(WARMUP), "--steps", str(steps))
-    return report["step_time_s"], report["peak_mem_gib"]
+    return report["step_time_s"], report["peak_mem_gib"], report["step_time_fastest_s"]
 
 
 VARIANTS = ("train", "doctor", "monitor")
 
 
-def run_variant(name: str, strategy: str, steps: int, out: Path) -> tuple[float, float]:
+def run_variant(name: str, strategy: str, steps: int, out: Path) -> tuple[float, float, float]:
     if name == "doctor":
         return doctor_figures(strategy, steps)
     extra = ("--monitor", "--monitor-every", "2") if name == "monitor" else ()
@@ -70,25 +72,29 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paratrain-doctor-overhead-") as tmp:
         for strategy in opts.strategies.split(","):
-            step_ratios, peak_ratios, monitor_ratios = [], [], []
+            step_ratios, peak_ratios, monitor_ratios, fast_ratios, fast_monitor = [], [], [], [], []
             for i in range(opts.rounds):
                 # rotate the order, so no variant always runs on the warmer (or busier) machine
                 order = list(VARIANTS[i % 3:] + VARIANTS[:i % 3])
                 got = {name: run_variant(name, strategy, opts.steps, Path(tmp) / f"{strategy}-{i}-{name}")
                        for name in order}
-                (t_step, t_peak), (d_step, d_peak), (m_step, _) = got["train"], got["doctor"], got["monitor"]
+                (t_step, t_peak, t_fast), (d_step, d_peak, d_fast), (m_step, _, m_fast) = (
+                    got["train"], got["doctor"], got["monitor"])
                 step_ratios.append(d_step / t_step)
                 peak_ratios.append(d_peak / t_peak)
                 monitor_ratios.append(m_step / t_step)
+                fast_ratios.append(d_fast / t_fast)
+                fast_monitor.append(m_fast / t_fast)
                 print(f"{strategy} round {i + 1}: train {t_step * 1e3:.1f} ms {t_peak:.3f} GiB; doctor "
                       f"{d_step * 1e3:.1f} ms {d_peak:.3f} GiB; train --monitor {m_step * 1e3:.1f} ms",
                       file=sys.stderr, flush=True)
-            rows.append((strategy, statistics.median(step_ratios), statistics.median(peak_ratios),
-                         statistics.median(monitor_ratios)))
+            rows.append((strategy, *(statistics.median(v) for v in (step_ratios, fast_ratios, peak_ratios,
+                                                                   monitor_ratios, fast_monitor))))
     print(f"{' '.join(RUN)}; {WARMUP} warm-up + {opts.steps} steps, {opts.rounds} rounds alternating (median ratio)")
-    print(f"{'strategy':<10} {'step doctor/train':>18} {'peak doctor/train':>18} {'step monitor/train':>19}")
-    for strategy, step, peak, monitor in rows:
-        print(f"{strategy:<10} {step:>18.3f} {peak:>18.3f} {monitor:>19.3f}")
+    print(f"{'strategy':<10} {'step doctor/train':>18} {'fastest':>8} {'peak doctor/train':>18} "
+          f"{'step monitor/train':>19} {'fastest':>8}")
+    for strategy, step, fast, peak, monitor, fast_mon in rows:
+        print(f"{strategy:<10} {step:>18.3f} {fast:>8.3f} {peak:>18.3f} {monitor:>19.3f} {fast_mon:>8.3f}")
     print("target: doctor 1.00 +- 0.05, monitor <= 1.02")
 
 

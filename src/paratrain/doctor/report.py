@@ -22,6 +22,8 @@ def build_report(cfg, args, layout, device_type: str, result: dict, mem_budget_g
         "findings": [f.to_dict() for f in findings],
         "trace": trace,
         "step_time_s": step,
+        # rank 0's fastest measured step, timed as train's metrics.jsonl times a step: least disturbed by load
+        "step_time_fastest_s": min(r["step_time_s"] for r in rank0["steps"]),
         "seconds": analysis["seconds"],
         # what each removable cause costs: the step with it minus the step without it (counterfactual probes)
         "counterfactual": {**analysis["counterfactual"], "probes": rank0.get("probes")},
