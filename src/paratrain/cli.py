@@ -86,6 +86,12 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),
     ("metrics", Optional[bool], _opt(None, "--metrics/--no-metrics", help="write RUNDIR/metrics.jsonl")),
+    ("monitor", Optional[bool], _opt(None, "--monitor/--no-monitor",
+                                     help="breakdown every N steps, alerts, Prometheus text (docs/monitoring.md)")),
+    ("monitor_every", Optional[int], _opt(None, "--monitor-every", help="steps per monitor window (default 10)")),
+    ("monitor_windows", Optional[int], _opt(None, "--monitor-windows",
+                                            help="consecutive windows over a threshold before an alert (default 3)")),
+    ("monitor_port", Optional[int], _opt(None, "--monitor-port", help="serve Prometheus text on 127.0.0.1:PORT")),
 ]
 TRAIN_KEYS = [name for name, _, _ in TRAIN_OPTIONS]
 
@@ -291,6 +297,9 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
            trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (opens in Perfetto)"),
            mem_budget_gib: Optional[float] = typer.Option(None, "--mem-budget-gib",
                                                           help="memory per device to judge against (GiB)"),
+           probe_rounds: int = typer.Option(3, "--probe-rounds",
+                                            help="rounds of counterfactual probe steps (0: exposure only)"),
+           html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
     """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
@@ -303,9 +312,13 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
     from paratrain.doctor.report import format_report
     from paratrain.doctor.run import run_doctor
 
-    report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib)
+    report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib, probe_rounds)
     if report is None:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
+    if html:
+        from paratrain.doctor.html_report import write_doctor_html
+
+        report["html"] = write_doctor_html(report, str(html))
     sys.stderr.write(format_report(report))
     if as_json:
         emit_json(report)
@@ -319,6 +332,7 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
           warmup: int = typer.Option(3, "--warmup", help="unmeasured steps first (>= 2)"),
           scaling: str = typer.Option("weak", "--scaling", help="weak (batch per device fixed) | strong"),
           plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
+          html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
           as_json: bool = typer.Option(False, "--json", help="print the JSON result on stdout"),
           config: Optional[Path] = typer.Option(None, "--config", help="TOML run config for everything else"),
           model: Optional[str] = typer.Option(None, "--model", help="model preset, or hf:PATH"),
@@ -341,6 +355,10 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
         from paratrain.bench.plot import plot_bench
 
         doc["plot"] = str(plot_bench(doc, plot))
+    if html is not None:
+        from paratrain.bench.html_report import write_bench_html
+
+        doc["html"] = write_bench_html(doc, str(html))
     sys.stderr.write(markdown_table(doc))
     if doc["plot"]:
         sys.stderr.write(f"plot: {doc['plot']}\n")

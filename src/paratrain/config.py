@@ -118,6 +118,12 @@ class TrainConfig(BaseModel):
     out: str | None = None
     log_every: int = Field(1, ge=1)
     metrics: bool = True
+    # train --monitor (docs/monitoring.md): a breakdown every monitor_every steps, an alert after
+    # monitor_windows consecutive windows over a threshold, Prometheus text (and HTTP on 127.0.0.1:monitor_port)
+    monitor: bool = False
+    monitor_every: int = Field(10, ge=1)
+    monitor_windows: int = Field(3, ge=1)
+    monitor_port: int | None = Field(None, ge=0, le=65535)
 
     @field_validator("*")
     @classmethod

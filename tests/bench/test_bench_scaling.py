@@ -1,4 +1,5 @@
-"""bench: strategies x world sizes, the JSON contract, the markdown table and the 3-panel PNG."""
+"""bench: strategies x world sizes, the JSON contract, the markdown table, the 3-panel PNG and the HTML page
+(loaded in headless Chromium)."""
 
 import pytest
 
@@ -10,8 +11,9 @@ RUN_FIELDS = {"strategy", "world_size", "step_time_s", "tokens_per_s", "scaling_
 
 
 @pytest.mark.timeout(400)
-def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_and_png(cli, tmp_path):
+def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_png_and_html(cli, tmp_path):
     res = cli("bench", "--strategies", "ddp,zero2,zero3", "--nproc", "1,2", "--json", "--plot", "out.png",
+              "--html", "out.html",
               "--steps", "2", "--warmup", "2", "--seq-len", "32", "--micro-batch", "4", "--timeout-s", "120",
               timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -41,6 +43,7 @@ def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_and_png(cli, t
     with Image.open(png) as image:
         image.load()  # decodes the pixels, not only the header
         assert image.format == "PNG" and image.size == (1500, 480)
+    check_bench_html(doc, tmp_path)
 
 
 def test_bench_rejects_bad_lists_and_unknown_strategies(cli):
@@ -61,3 +64,20 @@ def test_efficiency_and_table_from_measured_rows():
     assert parse_list("1, 2,4", "nproc", int) == [1, 2, 4]
     with pytest.raises(UserError):
         parse_list(",", "strategies")
+
+
+def check_bench_html(doc, tmp_path):
+    from doctor.html_browser import non_blank_share, render
+
+    page = tmp_path / "out.html"
+    assert doc["html"] == "out.html"
+    html = page.read_text()
+    assert "http://" not in html and "https://" not in html and "<script" not in html  # self-contained
+    text = render(page, tmp_path / "shot.png")
+    assert non_blank_share(tmp_path / "shot.png") > 0.03
+    for r in doc["runs"]:
+        assert f"{r['step_time_s'] * 1e3:.1f}" in text and f"{r['tokens_per_s']:.0f}" in text
+    # a catalog placeholder prediction says so on the page, as in the table and the JSON
+    assert doc["prediction_calibrated"] is ("placeholder" not in doc["prediction_hardware"])
+    if not doc["prediction_calibrated"]:
+        assert "UNCALIBRATED" in text

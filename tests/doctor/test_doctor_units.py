@@ -215,3 +215,19 @@ def test_phase_timer_leaves_training_unchanged(monkeypatch):
         shutdown()
     assert losses == plain
     assert all(s["forward"] > 0 and s["backward"] > 0 and s["optimizer"] > 0 for s in seen)
+
+
+def test_communication_is_graded_by_its_counterfactual_cost_not_only_exposure():
+    # exposed 2 ms of a 100 ms step (below the 3% floor), but skipping the gradient sync saves 23 ms: as in
+    # issue #20, gloo's threads slowed compute without leaving the step waiting
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+              "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057}
+    caps = [{**capture(rank, comm=0.002), "probes": probes} for rank in (0, 1)]
+    ctx = context(caps, strategy="ddp")
+    assert ctx.analysis["counterfactual"]["seconds"]["communication"] == pytest.approx(0.023)
+    comm = next(f for f in diagnose(ctx) if f.cause == "communication")
+    assert comm.severity == "medium" and comm.score == pytest.approx(0.23)
+    assert comm.numbers["exposed_fraction"] == pytest.approx(0.02) and "no_sync" in comm.evidence
+    # without the probe the same run is graded by exposure alone: below the floor, no finding
+    bare = context([capture(rank, comm=0.002) for rank in (0, 1)], strategy="ddp")
+    assert all(f.cause != "communication" for f in diagnose(bare))

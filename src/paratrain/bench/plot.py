@@ -66,7 +66,7 @@ def plot_memory(ax, runs: list[dict]) -> None:
     predicted = [(i, r["predicted_mem_gib"] * scale) for i, r in enumerate(runs) if r.get("predicted_mem_gib")]
     if predicted:
         ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
-                   label="predicted", zorder=3)
+                   label="predicted (tensor bytes, not RSS)", zorder=3)
     ax.set_xticks(list(xs), [_label(r) for r in runs], fontsize=8)
     baseline = max(r.get("baseline_mem_gib", 0.0) for r in runs)
     ax.set_ylim(0, max(max(bottoms[i] + rest[i] for i in xs), 1e-9) * 1.45)  # room for the legend
@@ -78,7 +78,7 @@ def plot_memory(ax, runs: list[dict]) -> None:
     ax.legend(fontsize=7, ncol=2, loc="upper left")
 
 
-def plot_breakdown(ax, runs: list[dict]) -> None:
+def plot_breakdown(ax, runs: list[dict], calibrated: bool | None = None) -> None:
     xs = range(len(runs))
     bottoms = [0.0] * len(runs)
     for i, (key, label) in enumerate(PHASE_LABELS.items()):
@@ -88,7 +88,7 @@ def plot_breakdown(ax, runs: list[dict]) -> None:
     predicted = [(i, r["predicted_step_time_s"] * 1e3) for i, r in enumerate(runs) if r.get("predicted_step_time_s")]
     if predicted:
         ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
-                   label="predicted step", zorder=3)
+                   label="predicted step" + (" (UNCALIBRATED)" if calibrated is False else ""), zorder=3)
     ax.set_xticks(list(xs), [_label(r) for r in runs], fontsize=8)
     tops = bottoms + [v for _, v in predicted]
     ax.set_ylim(0, max(max(tops), 1e-9) * 1.45)  # room for the legend
@@ -103,7 +103,7 @@ def plot_bench(doc: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI)
     plot_throughput(axes[0], runs)
     plot_memory(axes[1], runs)
-    plot_breakdown(axes[2], runs)
+    plot_breakdown(axes[2], runs, doc.get("prediction_calibrated"))
     fig.suptitle(f"paratrain bench: {doc.get('model')} ({doc.get('scaling')} scaling, seq {doc.get('seq_len')})")
     fig.tight_layout()
     out = Path(path)

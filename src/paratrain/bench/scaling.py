@@ -226,7 +226,7 @@ def run_bench(base, strategies: list[str], worlds: list[int], steps: int, warmup
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.layout import Layout
     from paratrain.plan.predict import predict_layout
-    from paratrain.train.runtime import in_launched_process
+    from paratrain.train.runtime import in_launched_process, pick_device_type
 
     if in_launched_process():
         raise UserError("bench starts its own process groups; run it directly, not under torchrun/srun")
@@ -250,13 +250,19 @@ def run_bench(base, strategies: list[str], worlds: list[int], steps: int, warmup
         runs.append(summarize_cell(strategy, world, cfg, raw, predicted))
     add_efficiency(runs)
     hardware = next((p["hardware"] for p in predictions if p), None)
+    on_cpu = pick_device_type(base.device) == "cpu"
     return {"runs": runs, "plot": None, "scaling": scaling, "steps": steps, "warmup": warmup,
             "prediction_hardware": hardware,
+            # the planner's own words for a profile nobody measured (plan/auto.py): say so wherever it shows
+            "prediction_calibrated": None if hardware is None else "placeholder" not in hardware,
+            "memory_measure": ("peak process RSS during the cell (activations, temporaries and the runtime "
+                               "included); predicted: tensor bytes" if on_cpu else "allocator peak"),
             "model": base.model, "seq_len": base.seq_len, "per_device_batch": per_device if scaling == "weak" else None}
 
 
 def markdown_table(doc: dict) -> str:
-    head = ("| strategy | N | step ms | tokens/s | efficiency | pred. step ms | peak GiB | pred. GiB | comm MiB/step |\n"
+    pred = "pred. step ms" if doc.get("prediction_calibrated") is not False else "pred. step ms (UNCALIBRATED)"
+    head = (f"| strategy | N | step ms | tokens/s | efficiency | {pred} | peak GiB | pred. GiB | comm MiB/step |\n"
             "|---|---|---|---|---|---|---|---|---|\n")
 
     def fmt(v, scale=1.0, spec=".1f"):
@@ -266,4 +272,7 @@ def markdown_table(doc: dict) -> str:
             f"| {fmt(r['scaling_efficiency'], 100, '.0f')}% | {fmt(r['predicted_step_time_s'], 1e3)} "
             f"| {fmt(r['peak_mem_gib'], 1, '.3f')} | {fmt(r['predicted_mem_gib'], 1, '.3f')} "
             f"| {fmt(r['comm_bytes_per_step'], 1 / 2**20, '.2f')} |" for r in doc["runs"]]
-    return head + "\n".join(rows) + "\n"
+    notes = [f"peak GiB: {doc['memory_measure']}"] if doc.get("memory_measure") else []
+    if doc.get("prediction_calibrated") is False:
+        notes.append(f"predictions: {doc['prediction_hardware']} -- `paratrain plan --calibrate` measures this machine")
+    return head + "\n".join(rows) + "\n" + "".join(f"{n}\n" for n in notes)

@@ -1,6 +1,9 @@
 """Turn the captured numbers into a time breakdown: where each step's wall time went, as fractions.
 
-Per rank and per measured step (seconds), with P = forward + backward + optimizer + loss sync:
+Step time, data wait and the phases P = forward + backward + optimizer + loss sync come from the measured
+steps, which ran without the profiler. The profiled steps split P: each category below is measured there in
+seconds, the profiler's own cost removed, and scaled to the unprofiled P (its share of P is kept).
+Per rank and per measured step (seconds):
     communication_exposed  collectives in flight while the training thread ran no op (GPU: NCCL kernels
                            not overlapped by compute kernels)
     host_overhead          CPU: time between ops on the training thread (Python, framework) plus ops per
@@ -21,7 +24,10 @@ from __future__ import annotations
 
 import statistics
 
+from paratrain.doctor.counterfactual import counterfactual_costs
+
 MATH_CEILING = 10.0
+PHASES = ("forward", "backward", "optimizer", "loss_sync")
 CATEGORIES = ("compute", "communication_exposed", "data_wait", "host_overhead", "bubble", "other")
 
 
@@ -44,17 +50,17 @@ def op_costs(calibration: dict) -> tuple[float | None, float]:
     return inside, max(0.0, profiled - calibration["tiny_program_s"] / ops)
 
 
-def rank_breakdown(capture: dict) -> dict:
-    """Seconds per step in each category for one rank, plus the evidence numbers behind them."""
-    steps = capture["steps"]
+def _phases(rows: list[dict]) -> float:
+    return sum(_mean(rows, f"{k}_s") for k in PHASES)
+
+
+def profiled_split(capture: dict) -> dict:
+    """Seconds per step of a profiled step's phases: exposed collectives, compute, host, profiler cost."""
+    profiled = capture.get("profiled_steps") or capture["steps"]
     prof = capture.get("profile") or {}
-    iteration = _mean(steps, "iteration_s")
-    step_time = _mean(steps, "step_time_s")
-    data = _mean(steps, "data_wait_s")
-    phases = sum(_mean(steps, k) for k in ("forward_s", "backward_s", "optimizer_s", "loss_sync_s"))
+    phases = _phases(profiled)
     ops = prof.get("ops_per_step", 0.0)
     op_s, profiler_per_op = op_costs(capture.get("calibration", {}))
-
     device_comm = prof.get("device_comm_exposed_s")
     comm = min(phases, prof.get("comm_exposed_s", 0.0) + (device_comm or 0.0))
     on_gpu = prof.get("device_compute_s") is not None
@@ -74,10 +80,28 @@ def rank_breakdown(capture: dict) -> dict:
         # the optimizer is memory-bound work on every parameter: no FLOP ceiling
         tail = max(0.0, prof.get("busy_optimizer_s", 0.0) - prof.get("ops_optimizer", 0.0) * fixed)
         compute = min(work, fb + tail)
-    host = work - compute
+    return {"comm": comm, "compute": compute, "host": work - compute, "profiler_cost": profiler_cost,
+            "ops": ops, "op_s": op_s, "in_flight": prof.get("comm_in_flight_s", 0.0)}
+
+
+def rank_breakdown(capture: dict) -> dict:
+    """Seconds per step in each category for one rank, plus the evidence numbers behind them.
+
+    Times come from the unprofiled measured steps; the profiled steps only say how each second of the
+    phases splits (their fractions, after removing what the profiler itself cost)."""
+    steps = capture["steps"]
+    iteration = _mean(steps, "iteration_s")
+    step_time = _mean(steps, "step_time_s")
+    data = _mean(steps, "data_wait_s")
+    phases = _phases(steps)
+    split = profiled_split(capture)
+    attributed = split["comm"] + split["compute"] + split["host"]
+    scale = phases / attributed if attributed > 0 else 0.0
+    comm, compute = split["comm"] * scale, split["compute"] * scale
+    host = max(0.0, phases - comm - compute) if attributed > 0 else phases
     # a pipeline stage idles in its bubble waiting on a p2p receive (exposed communication) or, on GPU,
     # with no kernel to run (idle): move the measured idle time out of those
-    expected = min(_mean(steps, "pipeline_idle_s"), phases - profiler_cost)
+    expected = min(_mean(steps, "pipeline_idle_s"), phases)
     from_comm = min(comm, expected)
     from_host = min(host, expected - from_comm)
     comm, host, bubble_s = comm - from_comm, host - from_host, from_comm + from_host
@@ -85,9 +109,11 @@ def rank_breakdown(capture: dict) -> dict:
     seconds = {"compute": compute, "communication_exposed": comm, "data_wait": data, "host_overhead": host,
                "bubble": bubble_s, "other": other}
     return {"rank": capture["rank"], "seconds": seconds, "step_time_s": sum(seconds.values()),
-            "measured_step_time_s": iteration, "profiler_overhead_s": profiler_cost,
-            "phases_s": {k: _mean(steps, f"{k}_s") for k in ("forward", "backward", "optimizer", "loss_sync")},
-            "ops_per_step": ops, "op_cost_s": op_s, "comm_in_flight_s": prof.get("comm_in_flight_s", 0.0)}
+            "measured_step_time_s": iteration, "profiler_overhead_s": split["profiler_cost"],
+            "profiled_phases_s": _phases(capture.get("profiled_steps") or steps),
+            "phases_s": {k: _mean(steps, f"{k}_s") for k in PHASES},
+            "ops_per_step": split["ops"], "op_cost_s": split["op_s"],
+            "comm_in_flight_s": split["in_flight"] * scale}
 
 
 def breakdown(captures: list[dict]) -> dict:
@@ -96,4 +122,10 @@ def breakdown(captures: list[dict]) -> dict:
     seconds = {k: statistics.fmean(r["seconds"][k] for r in per_rank) for k in CATEGORIES}
     step = sum(seconds.values())
     fractions = {k: (v / step if step > 0 else 0.0) for k, v in seconds.items()}
-    return {"fractions": fractions, "seconds": seconds, "step_time_s": step, "per_rank": per_rank}
+    costs = [counterfactual_costs(c.get("probes"), _mean(c["steps"], "step_time_s")) for c in captures]
+    causes = set.intersection(*(set(c) for c in costs)) if costs else set()
+    cf_seconds = {k: statistics.fmean(c[k] for c in costs) for k in sorted(causes)}
+    counterfactual = {"seconds": cf_seconds, "fractions": {k: v / step if step > 0 else 0.0
+                                                           for k, v in cf_seconds.items()}}
+    return {"fractions": fractions, "seconds": seconds, "step_time_s": step, "per_rank": per_rank,
+            "counterfactual": counterfactual}

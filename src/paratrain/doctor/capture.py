@@ -1,8 +1,14 @@
 """Capture what doctor needs from a real run: per-phase timers, a torch.profiler window, probes, telemetry.
 
-Each rank trains `warmup + steps` steps through Trainer.fit (so the data path and metrics logging are the
-real ones). Warm-up steps are not measured; the last one counts collective bytes. The measured steps
-run under the profiler with the phase timers attached. Rank 0 gathers every rank's numbers.
+Each rank trains `warmup + steps + PROFILED_STEPS` steps through Trainer.fit (so the data path and metrics
+logging are the real ones), in three windows:
+    warm-up    unmeasured; step 1 counts collective bytes
+    measured   the phase timers only (perf counters; CUDA: a sync per phase boundary): step time, phases,
+               data wait and peak memory come from these steps, which run as under `paratrain train`
+    profiled   torch.profiler on, only to split each phase into compute, exposed collectives and host time
+               (as fractions) and for the trace file; its time and memory never enter the figures
+The counterfactual probes (doctor/counterfactual.py) run between the measured and the profiled window.
+Rank 0 gathers every rank's numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from paratrain.doctor.timers import PHASES, PhaseTimer
 from paratrain.errors import UserError
 
 CALIBRATION_ITERATIONS = 50
+# the first profiled step also absorbs the profiler's start-up; both attribute, neither is timed
+PROFILED_STEPS = 2
 
 
 def usable_cores() -> int:
@@ -36,12 +44,19 @@ def usable_cores() -> int:
 class CaptureSession:
     """The on_step callback that drives warm-up, calibration and the profiled window on one rank."""
 
-    def __init__(self, trainer, warmup: int, steps: int, trace_path: Path | None):
+    def __init__(self, trainer, warmup: int, steps: int, trace_path: Path | None, probe_rounds: int = 3):
         self.trainer, self.warmup, self.steps, self.trace_path = trainer, warmup, steps, trace_path
+        self.probe_rounds = probe_rounds
         self.device = trainer.rt.device
-        self.timer = PhaseTimer(self.device.type, annotate=True)
+        # profiler ranges are opened only in the profiled window (annotate is switched on there)
+        self.timer = PhaseTimer(self.device.type, annotate=False)
         self.handles = self.timer.attach(trainer)
         self.records: list[dict] = []
+        self.profiled_records: list[dict] = []
+        self.memory: dict = {}
+        self.staged: list | None = None
+        self.probes: dict | None = None
+        self._remember_batches()
         self.calibration: dict = {}
         self.comm: dict | None = None
         self.profiler = None
@@ -62,29 +77,57 @@ class CaptureSession:
         }
         if self.trainer.distributed:
             self._start_counting()
-        if self.warmup == 0:
-            self._start_profiler()
+
+    def _remember_batches(self) -> None:
+        """Keep the latest step's micro-batches on the device: the probes' pre-staged data."""
+        train_step = self.trainer.train_step
+
+        def remembering(micro_batches):
+            self.staged = [mb.to(self.device, non_blocking=True) for mb in micro_batches]
+            return train_step(micro_batches)
+
+        self.trainer.train_step = remembering
 
     def on_step(self, trainer, record: dict) -> None:
         now = time.perf_counter()
         step = record["step"]
-        if self.warmup < step <= self.warmup + self.steps:
+        measured_end = self.warmup + self.steps
+        if self.warmup < step <= measured_end + PROFILED_STEPS:
             # a pipeline stage's idle time inside the schedule, as PipelineStep measured it (None without pp)
             timing = getattr(trainer.step_runner, "last_timing", None) or {}
-            self.records.append({"step": step, "step_time_s": record["step_time_s"],
-                                 "data_wait_s": record["data_wait_s"], "iteration_s": now - self._last_end,
-                                 "pipeline_idle_s": timing.get("idle_s"),
-                                 **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES}})
+            row = {"step": step, "step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
+                   "iteration_s": now - self._last_end, "pipeline_idle_s": timing.get("idle_s"),
+                   **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES}}
+            (self.records if step <= measured_end else self.profiled_records).append(row)
         if step == 1:
             self._stop_counting()
-        if step == max(1, self.warmup - 1):
-            # started before the last warm-up step, so that step absorbs the profiler's start-up
-            self._start_profiler()
         if step == self.warmup:
             self._rusage0 = resource.getrusage(resource.RUSAGE_SELF)
-        if step == self.warmup + self.steps:
+        if step == measured_end:
+            self.rusage = resource.getrusage(resource.RUSAGE_SELF)
+            self.memory = self._memory_now()
+            self._run_probes()
+            self.timer.annotate = True
+            self._start_profiler()
+        if step == measured_end + PROFILED_STEPS:
             self._stop_profiler()
         self._last_end = time.perf_counter()
+
+    def _memory_now(self) -> dict:
+        """Peak memory of the measured steps, before the profiler can add its own."""
+        from paratrain.train.metrics import current_rss_gib
+
+        out = {"memory_gib": self.trainer.memory_gib(), "rss_gib": current_rss_gib()}
+        if self.device.type == "cuda":
+            out["memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        return out
+
+    def _run_probes(self) -> None:
+        """The counterfactual probes, on the last measured step's batch, before the profiler ever starts
+        (after a profiler session, the optimizer step of a DDP run was measured 2-4x slower)."""
+        from paratrain.doctor.counterfactual import run_probes
+
+        self.probes = run_probes(self.trainer, self.staged, self.probe_rounds)
 
     def _start_counting(self) -> None:
         try:
@@ -115,7 +158,6 @@ class CaptureSession:
             self.nvml.start()
 
     def _stop_profiler(self) -> None:
-        self.rusage = resource.getrusage(resource.RUSAGE_SELF)
         # the tiny program under the profiler: how many ops it is, and what profiling adds per op
         x, w = probes.op_probe_tensors(self.device)
         with torch.profiler.record_function("paratrain.calibration"):
@@ -130,7 +172,7 @@ class CaptureSession:
         self.trainer.phase_timer = None
         if self.profiler is None:
             raise UserError(f"doctor needs at least {self.warmup + 1} steps to measure anything")
-        prof = summarize_events(self.profiler.events(), last_steps=len(self.records))
+        prof = summarize_events(self.profiler.events(), last_steps=len(self.profiled_records))
         iterations = CALIBRATION_ITERATIONS
         if prof.get("calibration_ops"):
             self.calibration["tiny_program_ops"] = prof["calibration_ops"] / iterations
@@ -146,11 +188,13 @@ class CaptureSession:
         local = {
             "rank": t.rt.rank,
             "steps": self.records,
+            "profiled_steps": self.profiled_records,
             "profile": prof,
+            "probes": self.probes,
             "calibration": self.calibration,
             "flops_per_step": t.flops_per_step / t.layout.world,
             "tokens_per_step": t.tokens_per_step / max(1, t.layout.dp),
-            "memory_gib": t.memory_gib(),
+            **self.memory,
             "model_state_bytes": _model_states(t),
             "threads": torch.get_num_threads(),
             "cores": usable_cores(),
@@ -160,8 +204,6 @@ class CaptureSession:
             "trace_file": str(trace_file) if trace_file else None,
             "micro_batches": t.source.accumulation_steps,
         }
-        if t.rt.device_type == "cuda":
-            local["memory_reserved_gib"] = torch.cuda.max_memory_reserved(t.rt.device) / 2**30
         return local
 
 
@@ -181,7 +223,8 @@ def gather_to_rank0(obj):
     return bucket
 
 
-def doctor_worker(cfg_dict: dict, run_dir: str, warmup: int, steps: int, trace: str | None) -> dict | None:
+def doctor_worker(cfg_dict: dict, run_dir: str, warmup: int, steps: int, trace: str | None,
+                  probe_rounds: int = 3) -> dict | None:
     """Train warmup + steps steps, measuring; rank 0 returns {"ranks": [...], "summary": fit summary}."""
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
@@ -193,7 +236,7 @@ def doctor_worker(cfg_dict: dict, run_dir: str, warmup: int, steps: int, trace: 
     rt = init_runtime(cfg.device, cfg.timeout_s)
     try:
         trainer = Trainer(cfg, rt, Path(run_dir), quiet=True)
-        session = CaptureSession(trainer, warmup, steps, Path(trace) if trace else None)
+        session = CaptureSession(trainer, warmup, steps, Path(trace) if trace else None, probe_rounds)
         session.before_training()
         summary = trainer.fit(on_step=session.on_step)
         local = session.finish()

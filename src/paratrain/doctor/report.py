@@ -15,22 +15,39 @@ def build_report(cfg, args, layout, device_type: str, result: dict, mem_budget_g
                   predicted_mem_gib=(predicted or {}).get("mem_gib"))
     findings = diagnose(ctx)
     summary = result.get("summary") or {}
+    rank0 = result["ranks"][0]
+    step = analysis["step_time_s"]
     return {
         "breakdown": {k: round(analysis["fractions"][k], 4) for k in CATEGORIES},
         "findings": [f.to_dict() for f in findings],
         "trace": trace,
-        "step_time_s": analysis["step_time_s"],
+        "step_time_s": step,
+        # rank 0's fastest measured step, timed as train's metrics.jsonl times a step: least disturbed by load
+        "step_time_fastest_s": min(r["step_time_s"] for r in rank0["steps"]),
         "seconds": analysis["seconds"],
+        # what each removable cause costs: the step with it minus the step without it (counterfactual probes)
+        "counterfactual": {**analysis["counterfactual"], "probes": rank0.get("probes")},
+        # measured before the profiler started: the figures `paratrain train` would show (rank 0)
+        "peak_mem_gib": rank0.get("memory_gib"),
+        "peak_rss_gib": rank0.get("rss_gib"),
         "per_rank": analysis["per_rank"],
         "run": {"strategy": cfg.strategy, "world_size": layout.world, "dims": layout.degrees(),
                 "layout": layout.to_dict(),
                 "model": args.name, "device": device_type, "measured_steps": len(result["ranks"][0]["steps"]),
-                "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
+                "tokens_per_s": rank0["tokens_per_step"] * layout.dp / step if step else None,
+                "mfu": _measured_mfu(summary, rank0["tokens_per_step"] * layout.dp, step),
                 "metrics": cfg.metrics},
         "predicted": predicted,
         "nvml": result["ranks"][0].get("nvml"),
         "comm": result["ranks"][0].get("comm"),
     }
+
+
+def _measured_mfu(summary: dict, tokens_per_step: float, step: float) -> float | None:
+    """MFU over the measured steps: the fit summary's also covers the profiled and warm-up steps."""
+    if not summary.get("mfu") or not summary.get("tokens_per_s") or not step:
+        return None
+    return summary["mfu"] * (tokens_per_step / summary["tokens_per_s"]) / step
 
 
 def format_report(report: dict) -> str:
@@ -41,6 +58,11 @@ def format_report(report: dict) -> str:
     for key, value in report["breakdown"].items():
         bar = "#" * round(value * 40)
         lines.append(f"  {key:<22} {value:6.1%}  {bar}")
+    costs = report.get("counterfactual", {}).get("fractions") or {}
+    if costs:
+        lines.append("")
+        lines.append("what removing a cause saves (counterfactual probes): " +
+                     ", ".join(f"{k} {v:.1%}" for k, v in sorted(costs.items(), key=lambda kv: -kv[1])))
     lines.append("")
     if not report["findings"]:
         lines.append("no findings: nothing here is costing you measurable time")

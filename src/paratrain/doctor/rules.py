@@ -50,6 +50,13 @@ class Context:
     def step_ms(self) -> float:
         return self.analysis["step_time_s"] * 1e3
 
+    def cost(self, cause: str) -> float | None:
+        """The cause's counterfactual cost as a fraction of the step (None where no probe removed it)."""
+        return (self.analysis.get("counterfactual") or {}).get("fractions", {}).get(cause)
+
+    def cost_s(self, cause: str) -> float | None:
+        return (self.analysis.get("counterfactual") or {}).get("seconds", {}).get(cause)
+
 
 def by_threshold(value: float, high: float, medium: float, low: float | None = None) -> str | None:
     if value >= high:
@@ -101,6 +108,9 @@ def check_small_compute(ctx: Context) -> Finding | None:
 # -- 2. data loading ---------------------------------------------------------------------------------------------
 def check_data_loading(ctx: Context) -> Finding | None:
     share = ctx.fractions["data_wait"]
+    cost = ctx.cost("data_loading")
+    # the exposed wait is measured directly; the counterfactual (real loop minus the step on staged data)
+    # also carries the loader's competition for cores, but a loader that only waits costs nothing
     severity = by_threshold(share, 0.3, 0.1, 0.05)
     if severity is None:
         return None
@@ -109,12 +119,15 @@ def check_data_loading(ctx: Context) -> Finding | None:
     evidence = (f"each step waited {_ms(wait)} for its batch ({share:.0%} of the {ctx.step_ms:.1f} ms step; worst "
                 f"rank {worst['rank']}: {_ms(worst['seconds']['data_wait'])}); the prefetcher builds 2 steps ahead, "
                 f"so the loader itself is slower than training")
+    if cost is not None:
+        evidence += f"; the same step on pre-staged data is {_ms(ctx.cost_s('data_loading'))} shorter ({cost:.0%})"
     source = "synthetic data" if ctx.cfg.data == "synthetic" else f"--data {ctx.cfg.data}"
     fix = (f"make loading cheaper than a step: pre-tokenize into a flat uint16/uint32 .bin and pass --data FILE.bin "
            f"(memory-mapped, read on the prefetch thread) instead of decoding per batch ({source} now); when the "
            f"cost is per batch rather than per token, a larger --micro-batch/--global-batch amortizes it")
-    return Finding("data_loading", severity, share, evidence, fix, {"data_wait_fraction": share,
-                                                                   "data_wait_ms": wait * 1e3})
+    return Finding("data_loading", severity, share, evidence, fix,
+                   {"data_wait_fraction": share, "data_wait_ms": wait * 1e3, "counterfactual_fraction": cost,
+                    "counterfactual_ms": None if cost is None else ctx.cost_s("data_loading") * 1e3})
 
 
 # -- 3. shapes ---------------------------------------------------------------------------------------------------
@@ -188,7 +201,11 @@ def check_memory(ctx: Context) -> Finding | None:
 # -- 5. communication --------------------------------------------------------------------------------------------
 def check_communication(ctx: Context) -> Finding | None:
     share = ctx.fractions["communication_exposed"]
-    severity = by_threshold(share, 0.3, 0.1, 0.03)
+    cost = ctx.cost("communication")
+    # ranked by what removing the gradient sync saves where a probe measured it: collectives that share the
+    # cores (or memory bandwidth) with compute slow it down without showing as exposed waits
+    at_stake = max(share, cost) if cost is not None else share
+    severity = by_threshold(at_stake, 0.3, 0.1, 0.03)
     if severity is None:
         return None
     exposed = ctx.analysis["seconds"]["communication_exposed"]
@@ -196,6 +213,9 @@ def check_communication(ctx: Context) -> Finding | None:
     nbytes = comm.get("total_bytes")
     by_op = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in (comm.get("bytes_by_op") or {}).items() if v >= 2**10)
     evidence = f"collectives left the step waiting {_ms(exposed)} ({share:.0%} of the {ctx.step_ms:.1f} ms step)"
+    if cost is not None:
+        evidence += (f"; skipping the gradient sync (DDP no_sync) makes the step {_ms(ctx.cost_s('communication'))} "
+                     f"shorter: communication costs {cost:.0%} of the step")
     if nbytes:
         evidence += f"; {nbytes / 2**20:.1f} MiB per rank per step ({by_op})"
         if exposed > 0:
@@ -215,8 +235,10 @@ def check_communication(ctx: Context) -> Finding | None:
         fix = "keep --tp within one node (fast links); use --sp; give the rest of the devices to --dp-shard"
     else:
         fix = f"{accumulate}; fewer ranks per collective (lower the degree of the communicating dimension)"
-    return Finding("communication", severity, share, evidence, fix,
-                   {"exposed_fraction": share, "exposed_ms": exposed * 1e3, "bytes_per_step": nbytes})
+    return Finding("communication", severity, at_stake, evidence, fix,
+                   {"exposed_fraction": share, "exposed_ms": exposed * 1e3, "bytes_per_step": nbytes,
+                    "counterfactual_fraction": cost,
+                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3})
 
 
 # -- 6. resource allocation and scheduling ---------------------------------------------------------------------------

@@ -12,9 +12,12 @@ from paratrain.errors import CheckFailed, UserError
 log = logging.getLogger("paratrain")
 
 
-def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: float | None) -> dict | None:
-    """The doctor report (see report.build_report); None on a non-zero rank under torchrun/srun."""
-    from paratrain.doctor.capture import doctor_worker
+def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: float | None,
+               probe_rounds: int = 3) -> dict | None:
+    """The doctor report (see report.build_report); None on a non-zero rank under torchrun/srun.
+
+    `probe_rounds`: rounds of counterfactual probe steps (0: none, costs by exposure only)."""
+    from paratrain.doctor.capture import PROFILED_STEPS, doctor_worker
     from paratrain.doctor.chrome_trace import merge_traces
     from paratrain.doctor.report import build_report
     from paratrain.models.presets import model_args_for
@@ -30,7 +33,9 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
         raise UserError("--warmup must be at least 1 (the first step includes one-time setup)")
     if mem_budget_gib is not None and mem_budget_gib <= 0:
         raise UserError("--mem-budget-gib must be positive")
-    cfg = cfg.model_copy(update={"steps": warmup + steps, "resume": "never", "ckpt_every": 0})
+    if probe_rounds < 0:
+        raise UserError("--probe-rounds must be 0 or more")
+    cfg = cfg.model_copy(update={"steps": warmup + steps + PROFILED_STEPS, "resume": "never", "ckpt_every": 0})
     world = world_size_for(cfg)
     validate_run(cfg, world)
     args = model_args_for(cfg)
@@ -44,8 +49,8 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
     stub = str(run_dir / "doctor-trace.json") if trace else None
     log.info("doctor: %d warm-up + %d measured steps of %s on %d process(es)", warmup, steps, cfg.strategy, world)
     try:
-        results = run_workers(doctor_worker, (cfg.model_dump(), str(run_dir), warmup, steps, stub), world, 0,
-                              cfg.timeout_s)
+        results = run_workers(doctor_worker, (cfg.model_dump(), str(run_dir), warmup, steps, stub, probe_rounds),
+                              world, 0, cfg.timeout_s)
         if 0 not in results:
             return None
         result = results[0]
@@ -53,7 +58,7 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
             raise CheckFailed("rank 0 returned no measurements")
         trace_out = None
         if trace:
-            waits = [(r["rank"], r["trace_file"], [s["data_wait_s"] for s in r["steps"]]) for r in result["ranks"]
+            waits = [(r["rank"], r["trace_file"], [s["data_wait_s"] for s in r["profiled_steps"]]) for r in result["ranks"]
                      if r.get("trace_file")]
             trace_out = str(merge_traces(waits, trace))
         # predict for exactly the layout the workers ran

@@ -270,6 +270,7 @@ class Trainer:
             self.log_data()
         prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s(),
                               timeout_s=cfg.timeout_s)
+        monitor = self.start_monitor(steplog) if cfg.monitor else None
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
         try:
@@ -300,6 +301,8 @@ class Trainer:
                 history.append(record)
                 if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                     steplog.log(record)
+                if monitor:
+                    monitor.observe(record)
                 if on_step is not None:
                     on_step(self, record)
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
@@ -308,6 +311,8 @@ class Trainer:
             raise self.out_of_memory() from None
         finally:
             prefetch.close()
+            if monitor:
+                monitor.close()
             self.mem_snapshot.finish()
             if steplog:
                 steplog.close()
@@ -320,6 +325,16 @@ class Trainer:
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
                 "losses": [r["loss"] for r in history], **self.last_val, **self.data_summary()}
+
+    def start_monitor(self, steplog):
+        """train --monitor: its clock is the phase timer unless doctor attached one (doctor measures itself)."""
+        from paratrain.train.monitor import Monitor
+
+        monitor = Monitor(self.cfg.monitor_every, self.cfg.monitor_windows, self.run_dir,
+                          steplog.file if steplog else None, self.rt.is_main, self.cfg.monitor_port)
+        if self.phase_timer is None:
+            self.phase_timer = monitor.clock
+        return monitor
 
     def data_summary(self) -> dict:
         if self.data_tokens is None:

@@ -1,0 +1,195 @@
+"""`train --monitor`: a breakdown every N steps from perf counters, alerts, and a Prometheus textfile.
+
+Each window of `monitor_every` steps (from step 2: the first includes one-time setup) becomes one `{"event": "monitor", ...}` line in RUNDIR/metrics.jsonl:
+fractions of the step spent waiting for data, in forward+backward, in the optimizer and in the loss sync,
+plus throughput and the slowest rank's busy time against the median rank's. A cause over its threshold for
+`monitor_windows` consecutive windows raises one alert: a line on stderr and an `{"event": "alert"}` line.
+No profiler runs: the timers read `time.perf_counter()` at phase boundaries (no CUDA sync), and the ranks
+exchange one small tensor per window for the straggler check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("paratrain")
+
+# cause -> (threshold, what the value is); a window over it counts towards an alert
+THRESHOLDS = {
+    "data_loading": 0.10,      # data wait / step time
+    "loss_sync": 0.30,         # the blocking loss all-reduce / step time (the exposed collective we can time)
+    "throughput_drop": 0.20,   # 1 - tokens/s / running median of earlier windows
+    "straggler": 0.20,         # slowest rank's busy time / the other ranks' median - 1
+}
+HISTORY_FOR_DROP = 3  # windows before a throughput median means anything (the first ones include warm-up)
+
+
+class PhaseClock:
+    """The trainer's phase-timer protocol (begin/mark) on bare perf counters: seconds per phase per window."""
+
+    def __init__(self):
+        self.totals = {"forward_backward": 0.0, "optimizer": 0.0, "loss_sync": 0.0}
+        self._t = 0.0
+
+    def begin(self) -> None:
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self._t
+        self._t = now
+
+    def take(self) -> dict:
+        out, self.totals = self.totals, dict.fromkeys(self.totals, 0.0)
+        return out
+
+
+class Monitor:
+    def __init__(self, every: int, windows: int, run_dir: Path | None, jsonl, is_main: bool, port: int | None = None):
+        self.every, self.windows, self.is_main, self.jsonl = every, windows, is_main, jsonl
+        self.clock = PhaseClock()
+        self.rows: list[dict] = []
+        self.throughputs: list[float] = []
+        self.streak = dict.fromkeys(THRESHOLDS, 0)
+        self.alerts: list[dict] = []
+        self.prom_path = run_dir / "metrics.prom" if (run_dir and is_main) else None
+        self.server = serve_prometheus(port, self) if (port is not None and is_main) else None
+        self.latest_text = ""
+
+    def observe(self, record: dict) -> None:
+        """Called after every step on every rank (the window's straggler exchange is a collective)."""
+        if record["step"] == 1:
+            self.clock.take()  # the first step includes one-time setup and the loader's first batch
+            return
+        self.rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
+                          "tokens_per_s": record["tokens_per_s"], "mfu": record.get("mfu"), "step": record["step"]})
+        if len(self.rows) < self.every:
+            return
+        phases = self.clock.take()
+        rows, self.rows = self.rows, []
+        step_s = sum(r["step_time_s"] for r in rows)
+        busy = step_s - sum(r["data_wait_s"] for r in rows)
+        per_rank = gather_busy(busy)
+        window = {"event": "monitor", "step": rows[-1]["step"], "steps": len(rows), "step_time_s": step_s / len(rows),
+                  "breakdown": {"data_wait": sum(r["data_wait_s"] for r in rows) / step_s,
+                                **{k: v / step_s for k, v in phases.items()}},
+                  "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rows),
+                  "mfu": statistics.fmean(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
+                  "busy_s_per_rank": per_rank}
+        if self.is_main:
+            self.report(window)
+
+    def report(self, window: dict) -> None:
+        values = {"data_loading": window["breakdown"]["data_wait"], "loss_sync": window["breakdown"]["loss_sync"],
+                  "throughput_drop": None, "straggler": None}
+        if len(self.throughputs) >= HISTORY_FOR_DROP:
+            values["throughput_drop"] = 1.0 - window["tokens_per_s"] / statistics.median(self.throughputs)
+        self.throughputs.append(window["tokens_per_s"])
+        ranks = sorted(window["busy_s_per_rank"])
+        if len(ranks) > 1 and statistics.median(ranks[:-1]) > 0:
+            # the slowest rank against the median of the others (with two ranks: against the other one)
+            values["straggler"] = ranks[-1] / statistics.median(ranks[:-1]) - 1.0
+        window["causes"] = values
+        self.write(window)
+        for cause, value in values.items():
+            over = value is not None and value > THRESHOLDS[cause]
+            self.streak[cause] = self.streak[cause] + 1 if over else 0
+            if self.streak[cause] == self.windows:  # once per episode: it fires again after a healthy window
+                self.alert(cause, value, window)
+        self.write_prometheus(window)
+
+    def alert(self, cause: str, value: float, window: dict) -> None:
+        event = {"event": "alert", "cause": cause, "step": window["step"], "value": value,
+                 "threshold": THRESHOLDS[cause], "windows": self.windows}
+        if cause == "straggler":
+            event["rank"] = max(range(len(window["busy_s_per_rank"])), key=window["busy_s_per_rank"].__getitem__)
+        self.alerts.append(event)
+        self.write(event)
+        print(f"paratrain: ALERT {cause}: {value:.1%} (threshold {THRESHOLDS[cause]:.0%}) for {self.windows} "
+              f"consecutive windows of {self.every} steps, at step {window['step']}", file=sys.stderr, flush=True)
+
+    def write(self, event: dict) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(event) + "\n")
+            self.jsonl.flush()
+
+    def write_prometheus(self, window: dict) -> None:
+        self.latest_text = prometheus_text(window, self.alerts)
+        if self.prom_path is not None:
+            tmp = self.prom_path.with_suffix(".prom.tmp")
+            tmp.write_text(self.latest_text)
+            os.replace(tmp, self.prom_path)  # scrapers never see half a file
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def gather_busy(busy: float) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [busy]
+    # gloo and nccl both take a CPU tensor on gloo; under nccl it must live on the device
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    out[dist.get_rank()] = busy
+    dist.all_reduce(out)
+    return out.tolist()
+
+
+def prometheus_text(window: dict, alerts: list[dict]) -> str:
+    lines = []
+
+    def gauge(name: str, help_text: str, value, labels: str = "") -> None:
+        if value is None:
+            return
+        if not any(line.startswith(f"# HELP {name} ") for line in lines):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} gauge")
+        lines.append(f"{name}{labels} {float(value):.6g}")
+
+    gauge("paratrain_step", "last step of the latest monitor window", window["step"])
+    gauge("paratrain_step_time_seconds", "mean step time over the window", window["step_time_s"])
+    gauge("paratrain_tokens_per_second", "mean tokens per second over the window", window["tokens_per_s"])
+    gauge("paratrain_mfu", "model FLOPs utilization over the window", window["mfu"])
+    for key, value in window["breakdown"].items():
+        gauge("paratrain_step_fraction", "fraction of the step time per phase", value, f'{{phase="{key}"}}')
+    for rank, busy in enumerate(window["busy_s_per_rank"]):
+        gauge("paratrain_rank_busy_seconds", "seconds per window not waiting for data, per rank", busy,
+              f'{{rank="{rank}"}}')
+    lines += ["# HELP paratrain_alerts_total alerts raised so far", "# TYPE paratrain_alerts_total counter"]
+    for cause in THRESHOLDS:
+        lines.append(f'paratrain_alerts_total{{cause="{cause}"}} {sum(a["cause"] == cause for a in alerts)}')
+    return "\n".join(lines) + "\n"
+
+
+def serve_prometheus(port: int, monitor: Monitor):
+    """An HTTP endpoint for scrapers, bound to 127.0.0.1 only (a node exporter or agent on the host forwards)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = monitor.latest_text.encode()
+            self.send_response(200 if self.path in ("/", "/metrics") else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # keep stderr for the run's own lines
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="paratrain-prometheus").start()
+    log.info("monitor: Prometheus metrics on http://127.0.0.1:%d/metrics", server.server_address[1])
+    return server

@@ -1,0 +1,51 @@
+"""Run under torch.distributed.run with 2 ranks: the doctor's gradient-sync probe against the plain
+measurement (two ranks minus one rank), side by side, round by round, in one process group.
+
+Each round times, on the same pre-staged batch: the full DDP step on both ranks; the same step with the
+gradient sync skipped (the doctor's probe, counterfactual.run_probes); and the single-device step on rank 0
+alone while rank 1 waits in a barrier. Prints one JSON line on rank 0.
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from paratrain.config import load_config
+from paratrain.doctor.counterfactual import counterfactual_costs, probe_step, run_probes
+from paratrain.parallel.strategies import resolve_layout
+from paratrain.train.runtime import init_runtime, shutdown
+from paratrain.train.trainer import Trainer
+
+# 8.6M parameters, almost all in the embedding and output (a 33 MiB all-reduce); 16 tokens per rank
+LARGE = {"model": "tiny", "vocab_size": 16384, "dim": 256, "ffn_dim": 512, "n_layers": 1, "seq_len": 16,
+         "metrics": False, "resume": "never", "steps": 100}
+
+
+def main() -> None:
+    rounds = int(sys.argv[1])
+    rt = init_runtime("cpu", 60)
+    cfg = load_config(None, {**LARGE, "strategy": "ddp", "nproc": 2, "global_batch": 2})
+    ddp = Trainer(cfg, rt, quiet=True)
+    staged = [mb.to(rt.device) for mb in ddp.source.next_step()]
+    one_cfg = load_config(None, {**LARGE, "strategy": "single", "nproc": 1, "global_batch": 1})
+    one = Trainer(one_cfg, rt, quiet=True, layout=resolve_layout(one_cfg, 1)) if rt.rank == 0 else None
+    one_staged = [mb.to(rt.device) for mb in one.source.next_step()] if one else None
+    two_s, one_s, cf_s, no_sync_s = [], [], [], []
+    for _ in range(rounds):
+        two_s.append(probe_step(ddp, staged)["step_s"])
+        if one is not None:
+            one_s.append(probe_step(one, one_staged)["step_s"])
+        dist.barrier()
+        probes = run_probes(ddp, staged, 1)
+        cf_s.append(counterfactual_costs(probes, probes["staged_s"])["communication"])
+        no_sync_s.append(probes["no_grad_sync_s"])
+    if rt.rank == 0:
+        print(json.dumps({"two_s": two_s, "one_s": one_s, "cf_s": cf_s, "no_sync_s": no_sync_s,
+                          "pid": os.getpid()}), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

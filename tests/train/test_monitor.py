@@ -1,0 +1,62 @@
+"""train --monitor: a sustained slow loader raises the data-loading alert within K windows; a healthy run
+raises none; the Prometheus textfile and the 127.0.0.1 endpoint carry the window's figures."""
+
+import json
+import urllib.request
+
+import pytest
+
+RUN = ("train", "--model", "tiny", "--strategy", "single", "--nproc", "1", "--global-batch", "2", "--seq-len", "16",
+       "--steps", "13", "--monitor", "--monitor-every", "3", "--monitor-windows", "2", "--json", "--resume", "never")
+
+
+def events(run_dir, kind):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in lines if e.get("event") == kind]
+
+
+@pytest.mark.timeout(240)
+def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli, tmp_path):
+    slow = cli(*RUN, "--out", str(tmp_path / "slow"), env={"PARATRAIN_TEST_LOADER_DELAY_S": "0.05"})
+    assert slow.returncode == 0, slow.stderr[-3000:]
+    alerts = events(tmp_path / "slow", "alert")
+    data = [a for a in alerts if a["cause"] == "data_loading"]
+    # windows of 3 steps from step 2: K = 2 windows end at step 7 (the loader sleeps from the first batch on)
+    assert data and data[0]["step"] <= 7 and data[0]["value"] > 0.1, alerts
+    assert "ALERT data_loading" in slow.stderr
+    windows = events(tmp_path / "slow", "monitor")
+    assert len(windows) == 4 and all(w["breakdown"]["data_wait"] > 0.1 for w in windows)
+    prom = (tmp_path / "slow" / "metrics.prom").read_text()
+    assert 'paratrain_step_fraction{phase="data_wait"}' in prom and 'paratrain_alerts_total{cause="data_loading"} 1' in prom
+
+    healthy = cli(*RUN, "--out", str(tmp_path / "healthy"))
+    assert healthy.returncode == 0, healthy.stderr[-3000:]
+    assert events(tmp_path / "healthy", "alert") == [] and "ALERT" not in healthy.stderr
+    assert len(events(tmp_path / "healthy", "monitor")) == 4
+    # the plain per-step records are still there, one per step
+    rows = [json.loads(line) for line in (tmp_path / "healthy" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 14))
+
+
+def test_straggler_and_prometheus_endpoint_in_process(tmp_path):
+    from paratrain.train.monitor import Monitor
+
+    with (tmp_path / "m.jsonl").open("w") as jsonl:
+        monitor = Monitor(every=2, windows=2, run_dir=tmp_path, jsonl=jsonl, is_main=True, port=0)
+        try:
+            for step in range(1, 9):
+                monitor.observe({"step": step, "step_time_s": 0.1, "data_wait_s": 0.0, "tokens_per_s": 1000.0})
+            assert monitor.alerts == []
+            # rank 1 busy 1.5x the median for two windows: a straggler alert naming it
+            for busy in ([0.2, 0.3], [0.2, 0.3]):
+                monitor.report({"step": 10, "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": None,
+                                "breakdown": {"data_wait": 0.0, "forward_backward": 0.8, "optimizer": 0.1,
+                                              "loss_sync": 0.0}, "busy_s_per_rank": busy})
+            assert [(a["cause"], a["rank"]) for a in monitor.alerts] == [("straggler", 1)]
+            port = monitor.server.server_address[1]
+            assert monitor.server.server_address[0] == "127.0.0.1"
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert 'paratrain_alerts_total{cause="straggler"} 1' in text
+            assert 'paratrain_rank_busy_seconds{rank="1"} 0.3' in text
+        finally:
+            monitor.close()
