@@ -15,7 +15,7 @@ import torch
 
 from paratrain.errors import UserError
 from paratrain.train.data import Batch, BatchSource, make_val_dataset
-from paratrain.train.step import autocast_context
+from paratrain.train.step import autocast_context, plain_loss
 
 
 class Validator:
@@ -61,7 +61,7 @@ def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
             with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
                 logits = runner.model(inputs, **extra)
             loss = runner.loss_fn(logits, targets).detach().float()
-        total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / len(micro)
+        total += plain_loss(loss) / len(micro)
     return total
 
 

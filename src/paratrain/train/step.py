@@ -51,6 +51,11 @@ def _no_grad_sync(model: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
+def plain_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: under loss parallel it is a Replicate DTensor (so this needs no comm)."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+
 class PlainStep:
     """Forward + backward over the micro-batches of one step, for every strategy without a pipeline."""
 
@@ -94,7 +99,7 @@ class PlainStep:
                 loss = self.loss_fn(logits, targets) / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss = loss.detach()
-            total += loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a Replicate DTensor: no comm
+            total += plain_loss(loss)
         return total
 
 
