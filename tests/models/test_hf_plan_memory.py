@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from helpers import run_cli
+from memory_check import predicted_vs_measured
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,20 +43,7 @@ def measured(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_plan_memory_within_10_percent_of_measured(measured):
-    from paratrain.models.presets import model_args_for
-    from paratrain.parallel.layout import Layout
-    from paratrain.plan.memory import estimate_memory
-
-    rows, misses = [], []
-    for cfg, result in measured:
-        assert result["error"] is None, f"{cfg.model}/{cfg.strategy}: {result['error']}"
-        layout = Layout.from_dict(result["layout"])
-        predicted = estimate_memory(model_args_for(cfg), layout, cfg.seq_len, cfg.dtype, "cpu").total
-        actual = max(result["peak_bytes"])
-        rows.append(f"{cfg.model.rsplit('/', 1)[-1]:>8} {cfg.strategy:<7} predicted {predicted / 2**20:6.2f} MiB, "
-                    f"measured {actual / 2**20:6.2f} MiB, ratio {predicted / actual:.3f}")
-        if abs(predicted / actual - 1) > TOLERANCE:
-            misses.append(rows[-1])
+    rows, misses = predicted_vs_measured(measured, TOLERANCE, label=lambda cfg: cfg.model.rsplit("/", 1)[-1])
     print("\n".join(rows))
     assert not misses, "outside 10%:\n" + "\n".join(misses)
 

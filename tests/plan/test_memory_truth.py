@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from memory_check import predicted_vs_measured
 from paratrain.calibrate.harness import measure
 from paratrain.config import TrainConfig
-from paratrain.models.presets import model_args_for
-from paratrain.parallel.layout import Layout
-from paratrain.plan.memory import estimate_memory
 
 STRATEGIES = [("single", {}), ("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("tp", {}), ("tp-sp", {}),
               ("pp", {"pp_schedule": "1f1b", "micro_batch": 1}), ("cp-ring", {}), ("cp-ulysses", {})]
@@ -42,16 +40,6 @@ def measured():
 
 @pytest.mark.timeout(400)
 def test_predicted_peak_memory_within_10_percent(measured):
-    rows, misses = [], []
-    for cfg, result in measured:
-        assert result["error"] is None, f"{cfg.model}/{cfg.strategy}: {result['error']}"
-        layout = Layout.from_dict(result["layout"])  # exactly what the trainer ran
-        predicted = estimate_memory(model_args_for(cfg), layout, cfg.seq_len, cfg.dtype, "cpu").total
-        actual = max(result["peak_bytes"])
-        ratio = predicted / actual
-        rows.append(f"{cfg.model:>5} {cfg.strategy:<10} predicted {predicted / 2**20:8.2f} MiB, measured "
-                    f"{actual / 2**20:8.2f} MiB, ratio {ratio:.3f}")
-        if abs(ratio - 1) > TOLERANCE:
-            misses.append(rows[-1])
+    rows, misses = predicted_vs_measured(measured, TOLERANCE)
     print("\n".join(rows))
     assert not misses, "outside 10%:\n" + "\n".join(misses)
