@@ -35,9 +35,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", BAD_INPUTS)
-def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, tmp_path, args, needle):
-    res = cli(*args, timeout=60)
+def one_line_exit_2_nothing_written(res, tmp_path, needle):
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
@@ -45,6 +43,17 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, tmp_path, args, n
     assert "Traceback" not in res.stderr
     assert res.stdout == ""
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(cli_inproc, tmp_path, args, needle):
+    one_line_exit_2_nothing_written(cli_inproc(*args), tmp_path, needle)
+
+
+@pytest.mark.parametrize("args,needle", [BAD_INPUTS[0], BAD_INPUTS[-2]])
+def test_bad_input_from_a_real_process(cli, tmp_path, args, needle):
+    """The same contract through the installed entry point (interpreter exit code, nothing on stdout)."""
+    one_line_exit_2_nothing_written(cli(*args, timeout=60), tmp_path, needle)
 
 
 def test_help_for_every_command(cli):

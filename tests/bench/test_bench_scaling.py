@@ -46,9 +46,9 @@ def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_png_and_html(c
     check_bench_html(doc, tmp_path)
 
 
-def test_bench_rejects_bad_lists_and_unknown_strategies(cli):
+def test_bench_rejects_bad_lists_and_unknown_strategies(cli_inproc):
     for args in (("--strategies", "ddp,nope"), ("--strategies", "single", "--nproc", "1,2")):
-        res = cli("bench", *args, "--steps", "1")
+        res = cli_inproc("bench", *args, "--steps", "1")
         assert res.returncode == 2 and "error:" in res.stderr, (args, res.stderr[-500:])
 
 

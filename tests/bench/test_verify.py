@@ -123,8 +123,8 @@ def test_options_that_would_not_act_are_refused():
     check_verifiable(fine, resolve_layout(fine, 2))  # 2 micro-batches per step: accumulation acts
 
 
-def test_refusal_is_one_line_and_exit_2(cli):
-    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--ddp-comm-hook", "powersgd", timeout=60)
+def test_refusal_is_one_line_and_exit_2(cli_inproc):
+    res = cli_inproc("verify", "--strategy", "ddp", "--nproc", "2", "--ddp-comm-hook", "powersgd")
     assert res.returncode == 2 and "verify refuses --ddp-comm-hook powersgd" in res.stderr
     assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1, res.stderr
 

@@ -34,10 +34,10 @@ def test_tied_gpt2_verify_passes_under_dp_tp_and_cp(tmp_path):
         assert report["passed"], report
 
 
-def test_pipelines_refuse_a_tied_embedding_with_one_line(cli):
+def test_pipelines_refuse_a_tied_embedding_with_one_line(cli_inproc):
     for strategy in ("pp", "model"):
         with pytest.raises(UserError, match="cannot hold gpt2-tiny's tied embedding"):
             validate_run(TrainConfig(model="gpt2-tiny", strategy=strategy, nproc=2, global_batch=4), 2)
-    res = cli("train", "--model", "gpt2-tiny", "--strategy", "pp", "--nproc", "2", "--steps", "1", timeout=60)
+    res = cli_inproc("train", "--model", "gpt2-tiny", "--strategy", "pp", "--nproc", "2", "--steps", "1")
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1 and "tied embedding" in res.stderr

@@ -179,8 +179,8 @@ def test_wrong_combinations_are_user_errors(name):
     (("--strategy", "zero3", "--cpu-offload", "--device", "cpu"), "has no CUDA device"),
     (("--strategy", "hsdp", "--dp-replicate", "2", "--dp-shard", "3", "--nproc", "4"), "multiply to 6"),
 ], ids=["offload-cpu", "hsdp-product"])
-def test_wrong_combinations_exit_2_with_one_line(cli, args, needle):
-    res = cli("train", *args, "--steps", "2", timeout=60)
+def test_wrong_combinations_exit_2_with_one_line(cli_inproc, args, needle):
+    res = cli_inproc("train", *args, "--steps", "2")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], res.stderr

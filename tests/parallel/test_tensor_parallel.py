@@ -111,9 +111,9 @@ def test_verify_passes_fp32(cli, args):
 
 
 @pytest.mark.timeout(60)
-def test_tp3_on_four_heads_exits_2(cli):
+def test_tp3_on_four_heads_exits_2(cli_inproc):
     # the model check runs before the world-size check, so the root cause is named whatever --nproc is
-    res = cli("verify", "--tp", "3", "--nproc", "2", timeout=50)
+    res = cli_inproc("verify", "--tp", "3", "--nproc", "2")
     assert res.returncode == 2
     assert "tp=3" in res.stderr and "attention heads (4)" in res.stderr
     with pytest.raises(UserError, match=r"tp=3 does not divide the model's attention heads \(4\)"):

@@ -194,8 +194,8 @@ def test_oom_dumps_a_snapshot_and_names_the_planner(tmp_path, fake_cuda_memory, 
 
 
 @pytest.mark.timeout(120)
-def test_memory_snapshot_flag_on_cpu_is_one_clear_line(cli):
-    res = cli("train", "--strategy", "single", "--device", "cpu", "--memory-snapshot", "--steps", "1")
+def test_memory_snapshot_flag_on_cpu_is_one_clear_line(cli_inproc):
+    res = cli_inproc("train", "--strategy", "single", "--device", "cpu", "--memory-snapshot", "--steps", "1")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [res.stderr.strip()]
     assert "--memory-snapshot records the CUDA caching allocator; this run is on cpu" in res.stderr

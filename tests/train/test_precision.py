@@ -21,8 +21,8 @@ A100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
     (("--dtype", "fp8"), "--dtype fp8 needs a CUDA GPU with FP8 tensor cores"),
     (("--cuda-graphs",), "--cuda-graphs captures the step's CUDA kernels and needs a CUDA GPU; this run is on cpu"),
 ], ids=["fp8", "cuda-graphs"])
-def test_fp8_and_cuda_graphs_exit_2_on_cpu_with_one_line(cli, args, needle):
-    res = cli("train", "--strategy", "single", "--steps", "1", *args, timeout=60)
+def test_fp8_and_cuda_graphs_exit_2_on_cpu_with_one_line(cli_inproc, args, needle):
+    res = cli_inproc("train", "--strategy", "single", "--steps", "1", *args)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], res.stderr
