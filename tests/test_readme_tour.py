@@ -3,7 +3,8 @@
 The launch commands run exactly as written (and for k8s and skypilot too, as the README says); `env`,
 `--print-config`, `data prepare` and `export` as written, on what the tour assumes the reader has (a local
 tokenizer and a text file, a run directory runs/x with checkpoints). train, verify and doctor run with
-small settings: one process (`--nproc 1`), 2 steps, short sequences, a tiny model. Everything runs in this process, so it stays fast.
+small settings: one process (`--nproc 1`), 2 steps, short sequences, a tiny model (doctor without its
+counterfactual probes, which tests/doctor covers). Everything runs in this process, so it stays fast.
 `plan`, `train --strategy auto` and `bench` cost 10-15 s each even when small (the planner, 3 strategies and
 a plot); the same commands already run in tests/plan/test_plan_cli.py (plan --model llama3-8b as written),
 tests/plan/test_auto_and_calibrate.py and tests/bench/test_bench_scaling.py, so they are not run twice here.
@@ -43,7 +44,7 @@ def small(argv: list[str]) -> list[str]:
     extra = {"train": ["--nproc", "1", "--steps", "2", "--seq-len", "16", "--global-batch", "4"],
              "verify": ["--nproc", "1", "--steps", "2", "--seq-len", "16", "--global-batch", "4"],
              "doctor": ["--model", "tiny", "--nproc", "1", "--steps", "2", "--warmup", "1", "--seq-len", "16",
-                        "--global-batch", "4"],
+                        "--global-batch", "4", "--probe-rounds", "0"],  # probes: tests/doctor
              }
     return out + extra.get(command, [])
 
