@@ -69,7 +69,7 @@ def test_uneven_dp_on_two_ranks_matches_one_device(two_ranks):
 
 @pytest.mark.timeout(320)
 def test_uneven_dp_on_three_ranks_matches_one_device(three_ranks):
-    assert set(three_ranks["clean"]) == {"ddp 2:1:1 x3", "zero3 3:2:1", "ddp 3:2:1 x2"}
+    assert set(three_ranks["clean"]) == {"ddp 2:1:1 x3", "zero3 3:2:1"}
     assert_parity(three_ranks["clean"], three_ranks["clean"])
 
 
