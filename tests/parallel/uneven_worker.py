@@ -54,25 +54,30 @@ def one(rt, overrides: dict, mutation: str | None = None) -> dict | None:
     return {k: report.get(k) for k in KEEP} if report else None
 
 
-def throttled(rt) -> list | None:
-    """Two DDP steps with rank 1 throttled 3x: how long each rank slept (only rank 1 should have)."""
+def throttled(rt) -> dict:
+    """Two steps each of DDP and of a 2-stage pipeline with rank 1 throttled 3x: how long each rank slept."""
     import torch.distributed as dist
 
     from paratrain.config import TrainConfig
     from paratrain.train.throttle import SLOWDOWN_ENV
     from paratrain.train.trainer import Trainer
 
-    os.environ[SLOWDOWN_ENV] = "1:3"
-    try:
-        trainer = Trainer(TrainConfig(**{**BASE, "nproc": 2, "strategy": "ddp", "steps": 2}), rt, quiet=True)
-    finally:
-        os.environ.pop(SLOWDOWN_ENV)
-    for _ in range(2):
-        trainer.train_step(trainer.source.next_step())
-    throttle = trainer.step_runner.throttle
-    slept = [None] * rt.world_size
-    dist.all_gather_object(slept, None if throttle is None else throttle.slept_s)
-    return slept
+    out = {}
+    for name, overrides in (("ddp", {"strategy": "ddp"}),
+                            ("pp", {"strategy": "pp", "model": "tiny4", "pp_layers": "3:1", "microbatches": 2})):
+        os.environ[SLOWDOWN_ENV] = "1:3"
+        try:
+            trainer = Trainer(TrainConfig(**{**BASE, "nproc": 2, "steps": 2, **overrides}), rt, quiet=True)
+        finally:
+            os.environ.pop(SLOWDOWN_ENV)
+        for _ in range(2):
+            trainer.train_step(trainer.source.next_step())
+        throttle = trainer.step_runner.throttle
+        slept = throttle.slept_s if throttle else None
+        everyone = [None] * rt.world_size
+        dist.all_gather_object(everyone, slept)
+        out[name] = everyone
+    return out
 
 
 def worker(nproc: int) -> dict | None:
