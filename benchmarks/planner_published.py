@@ -64,7 +64,8 @@ def case_job(case: dict):
     hw = profile_from_spec(spec)
     job = Job(args=args, model_name=case["id"], gpus=case["gpus"], seq_len=m["seq_len"],
               global_batch=case["global_batch"], dtype=case.get("planner_precision", case["precision"]),
-              compile=case.get("compile", False))
+              compile=case.get("compile", False), async_tp=case.get("async_tp", False),
+              dist_optimizer=case.get("dist_optimizer", False))
     lay = dict(case["layout"])
     dp = lay["dp_replicate"] * lay["dp_shard"]
     layout = Layout(**lay, micro_batch=case["micro_batch"],
@@ -140,7 +141,7 @@ def main() -> int:
               + (f"; mean |memory error| {summary['mean_abs_memory_error']:.1%} over {len(mem_errors)}"
                  if mem_errors else "") + "\n")
     if any(r["id"].endswith("*") for r in rows):
-        out.write("* the published data-parallel scheme, which paratrain's runtime cannot run with TP (see the case)\n")
+        out.write("* a published scheme paratrain's runtime cannot run (the case's runtime_unsupported says why), priced as run\n")
     if opts.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
     return 0
