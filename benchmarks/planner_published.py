@@ -9,6 +9,10 @@ tokens/s/GPU) and peak memory where published, the error of each and the mean ab
 
 A case whose published scheme paratrain's runtime cannot run (`runtime_unsupported`: why) is still priced as
 published, past the runtime's structural checks, and marked `*`: a check of the cost model, not a plannable layout.
+Such schemes are job options the time model prices for any layout (search.Job): `dist_optimizer` (ZeRO-1 as
+Megatron's distributed optimizer, overlapped) and `async_tp` (TP collectives under the matmuls; with `compile`).
+`framework` names the software the run used: memory errors are also printed per framework, since only
+torchtitan holds memory as paratrain's runtime does.
 
 A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
   megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
