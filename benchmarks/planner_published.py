@@ -9,6 +9,10 @@ tokens/s/GPU) and peak memory where published, the error of each and the mean ab
 
 A case whose published scheme paratrain's runtime cannot run (`runtime_unsupported`: why) is still priced as
 published, past the runtime's structural checks, and marked `*`: a check of the cost model, not a plannable layout.
+Such schemes are job options the time model prices for any layout (search.Job): `dist_optimizer` (ZeRO-1 as
+Megatron's distributed optimizer, overlapped) and `async_tp` (TP collectives under the matmuls; with `compile`).
+`framework` names the software the run used: memory errors are also printed per framework, since only
+torchtitan holds memory as paratrain's runtime does.
 
 A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
   megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
@@ -64,7 +68,8 @@ def case_job(case: dict):
     hw = profile_from_spec(spec)
     job = Job(args=args, model_name=case["id"], gpus=case["gpus"], seq_len=m["seq_len"],
               global_batch=case["global_batch"], dtype=case.get("planner_precision", case["precision"]),
-              compile=case.get("compile", False))
+              compile=case.get("compile", False), async_tp=case.get("async_tp", False),
+              dist_optimizer=case.get("dist_optimizer", False))
     lay = dict(case["layout"])
     dp = lay["dp_replicate"] * lay["dp_shard"]
     layout = Layout(**lay, micro_batch=case["micro_batch"],
@@ -88,7 +93,8 @@ def predict(case: dict) -> dict:
     cand = evaluate(job, hw, layout)
     pub_step = published_step_time(case)
     tokens_per_gpu = case["global_batch"] * case["model"]["seq_len"] / case["gpus"]
-    row = {"id": case["id"] + ("*" if case.get("runtime_unsupported") else ""), "gpu": case["gpu"], "gpus": case["gpus"], "kind": case["kind"],
+    row = {"id": case["id"] + ("*" if case.get("runtime_unsupported") else ""), "gpu": case["gpu"], "gpus": case["gpus"],
+           "kind": case["kind"], "framework": case.get("framework", "?"),
            "predicted_step_s": cand.time.step_s, "published_step_s": pub_step,
            "step_error": cand.time.step_s / pub_step - 1,
            "predicted_tokens_per_s_per_gpu": tokens_per_gpu / cand.time.step_s,
@@ -102,6 +108,14 @@ def predict(case: dict) -> dict:
         row["published_memory_gib"] = mem
         row["memory_error"] = row["predicted_memory_gib"] / mem - 1
     return row
+
+
+def memory_by_framework(rows: list[dict]) -> dict[str, float]:
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        if "memory_error" in r:
+            out.setdefault(r["framework"], []).append(abs(r["memory_error"]))
+    return {k: statistics.mean(v) for k, v in sorted(out.items())}
 
 
 def main() -> int:
@@ -134,13 +148,17 @@ def main() -> int:
     mem_errors = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
     summary = {"cases": len(rows), "mean_abs_step_error": statistics.mean(errors), "max_abs_step_error": max(errors),
                "within_30_percent": sum(e <= 0.30 for e in errors),
-               "mean_abs_memory_error": statistics.mean(mem_errors) if mem_errors else None}
+               "mean_abs_memory_error": statistics.mean(mem_errors) if mem_errors else None,
+               "mean_abs_memory_error_by_framework": memory_by_framework(rows)}
     out.write(f"mean |step error| {summary['mean_abs_step_error']:.1%} over {len(rows)} cases (target <= 15%), "
               f"max {summary['max_abs_step_error']:.1%} (target <= 30%), {summary['within_30_percent']} within 30%"
               + (f"; mean |memory error| {summary['mean_abs_memory_error']:.1%} over {len(mem_errors)}"
                  if mem_errors else "") + "\n")
+    if summary["mean_abs_memory_error_by_framework"]:
+        out.write("mean |memory error| by framework (only torchtitan holds memory as paratrain's runtime does): "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in summary["mean_abs_memory_error_by_framework"].items()) + "\n")
     if any(r["id"].endswith("*") for r in rows):
-        out.write("* the published data-parallel scheme, which paratrain's runtime cannot run with TP (see the case)\n")
+        out.write("* a published scheme paratrain's runtime cannot run (the case's runtime_unsupported says why), priced as run\n")
     if opts.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
     return 0

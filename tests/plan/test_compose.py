@@ -18,7 +18,8 @@ TINY = dataclasses.replace(get_preset("tiny"), tie_embeddings=False)
 CASES = [
     (dict(micro_batch=3, ac="full", dtype="fp16", device_type="cuda"), 3),
     (dict(micro_batch=2, tp=2, sp=True, ac="selective"), 3),
-    (dict(micro_batch=2, cp=2), 2),
+    # Ulysses copies a tensor at micro-batch >= 2 that is a view at 1: the op lists are aligned, not re-traced
+    (dict(micro_batch=3, cp=2, cp_impl="ulysses", dtype="bf16", device_type="cuda"), 2),
     (dict(micro_batch=2, part="middle", dtype="bf16", device_type="cuda"), 3),
     (dict(micro_batch=2, part="last", tp=2), 2),
     (dict(micro_batch=2, part="first", ac="full"), 2),

@@ -92,3 +92,34 @@ def test_candidates_run_unchanged_through_train_config():
         opts["sp"] = "--sp" in argv
         cfg = resolve_config({**opts, "config": None})
         assert resolve_layout(cfg, lay.world) == lay, lay.label()
+
+
+def test_async_tp_and_distributed_optimizer_pricing():
+    """Async TP hides TP collectives under the matmuls only when compiled with SP; ZeRO-1 as a distributed optimizer
+    reduce-scatters the gradients and all-gathers the parameters once per step instead of ZeRO's broadcasts."""
+    from dataclasses import replace
+
+    from paratrain.plan.time import estimate_time
+
+    prof = profile_from_spec(get_gpu("h100-sxm"))
+    args = get_preset("small")
+    lay = Layout(tp=2, sp=True, dp_replicate=8, zero_stage=1, micro_batch=1, microbatches=4, dtype="bf16",
+                 compile=True)
+
+    def est(layout, **kw):
+        return estimate_time(prof, args, layout, 256, "bf16", "cuda", **kw)
+
+    plain, overlapped = est(lay), est(lay, async_tp=True)
+    assert overlapped.breakdown["tp_comm_s"] < 0.6 * plain.breakdown["tp_comm_s"]
+    assert overlapped.step_s < plain.step_s
+    # eager (no compile) or plain TP: torch's micro-pipelined TP does not apply, nothing changes
+    for off in (replace(lay, compile=False), replace(lay, sp=False)):
+        assert est(off, async_tp=True).step_s == pytest.approx(est(off).step_s)
+    zero1, dist = est(lay), est(lay, dist_optimizer=True)
+    assert "broadcast" in zero1.comm_by_kind and "broadcast" not in dist.comm_by_kind
+    assert {"reduce_scatter", "all_gather"} <= set(dist.comm_by_kind)
+    assert dist.breakdown["dp_comm_exposed_s"] < zero1.breakdown["dp_comm_exposed_s"]
+    # bytes (no TP, whose SP collectives would add to the same kinds): the fp32 gradients reduce-scattered, the
+    # bf16 parameters all-gathered
+    dp_only = est(replace(lay, tp=1, sp=False, dp_replicate=16), dist_optimizer=True).comm_by_kind
+    assert dp_only["all_gather"] == pytest.approx(dp_only["reduce_scatter"] / 2, rel=0.01)

@@ -9,6 +9,7 @@ Every traced quantity is linear in the micro-batch, so traces at micro-batch 1 a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from dataclasses import dataclass
 
@@ -26,6 +27,33 @@ def _lerp(a: float, b: float, t: float) -> float:
     return a + t * (b - a)
 
 
+def _aligned(a: list, b: list, sig) -> list[tuple]:
+    """Pairs (x, y) of the entries of two traced lists that are the same op; an op only one size records (a
+    copy that is a no-op view at micro-batch 1, a tile more) is paired with None."""
+    if len(a) == len(b) and all(sig(x) == sig(y) for x, y in zip(a, b)):
+        return list(zip(a, b))
+    out = []
+    matcher = difflib.SequenceMatcher(None, [sig(x) for x in a], [sig(y) for y in b], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            out += zip(a[i1:i2], b[j1:j2])
+        else:
+            out += [(x, None) for x in a[i1:i2]] + [(None, y) for y in b[j1:j2]]
+    return out
+
+
+def _lerp_entries(pairs: list[tuple], t: float, numeric: tuple[int, ...]) -> list[tuple]:
+    """Interpolate the numeric fields of aligned entries; a missing side counts as zero."""
+    out = []
+    for x, y in pairs:
+        ref = x if x is not None else y
+        vals = list(ref)
+        for i in numeric:
+            vals[i] = max(0.0, _lerp(x[i] if x is not None else 0.0, y[i] if y is not None else 0.0, t))
+        out.append(tuple(vals))
+    return out
+
+
 def interpolate(u1: UnitTrace, u2: UnitTrace, b: int) -> UnitTrace:
     """Every traced quantity is linear in the micro-batch: the trace at b from those at 1 and 2."""
     if b == u1.micro_batch:
@@ -35,17 +63,10 @@ def interpolate(u1: UnitTrace, u2: UnitTrace, b: int) -> UnitTrace:
     t = (b - u1.micro_batch) / (u2.micro_batch - u1.micro_batch)
     segs = {k: Segment(*(_lerp(x, y, t) for x, y in zip(dataclasses.astuple(s), dataclasses.astuple(u2.segments[k]))))
             for k, s in u1.segments.items()}
-    ops, comm = {}, {}
-    for k, lst in u1.ops.items():
-        other = u2.ops[k]
-        if len(other) != len(lst):
-            raise ValueError("op lists differ between micro-batch sizes")
-        ops[k] = [(a[0], _lerp(a[1], c[1], t), _lerp(a[2], c[2], t), a[3], a[4]) for a, c in zip(lst, other)]
-    for k, lst in u1.comm.items():
-        other = u2.comm[k]
-        if len(other) != len(lst):
-            raise ValueError("collectives differ between micro-batch sizes")
-        comm[k] = [(a[0], _lerp(a[1], c[1], t), a[2]) for a, c in zip(lst, other)]
+    ops = {k: _lerp_entries(_aligned(lst, u2.ops.get(k, []), lambda o: (o[0], o[3], o[4])), t, (1, 2))
+           for k, lst in u1.ops.items()}
+    comm = {k: _lerp_entries(_aligned(lst, u2.comm.get(k, []), lambda c: (c[0], c[2])), t, (1,))
+            for k, lst in u1.comm.items()}
     freed = {k: _lerp(v, u2.exit_freed.get(k, 0), t) for k, v in u1.exit_freed.items()}
     return UnitTrace(micro_batch=b, params=u1.params, param_count=u1.param_count, param_tensors=u1.param_tensors,
                      segments=segs, ops=ops, comm=comm, block_out=round(_lerp(u1.block_out, u2.block_out, t)),
@@ -123,11 +144,8 @@ class Composed:
         self.key = key
         if key.micro_batch in (1, 2):  # a traced size: the other one is not needed (nor traced)
             self.ut = unit_trace(unit_key(key, key.micro_batch))
-        else:
-            try:
-                self.ut = interpolate(unit_trace(unit_key(key, 1)), unit_trace(unit_key(key, 2)), key.micro_batch)
-            except ValueError:  # the op sequence depends on the size (ring attention's tiles): trace this size
-                self.ut = unit_trace(unit_key(key, key.micro_batch))
+        else:  # ops that only one traced size records (a copy that is a view at 1) are aligned and interpolated
+            self.ut = interpolate(unit_trace(unit_key(key, 1)), unit_trace(unit_key(key, 2)), key.micro_batch)
         self._walks: dict = {}
         self._sums: dict = {}
 

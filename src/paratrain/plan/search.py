@@ -36,6 +36,11 @@ class Job:
     mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
     hf_config: str | None = None  # the model came from this config.json (not a preset)
     compile: bool = False  # torch.compile (time model: fused memory-bound ops)
+    # priced, not run by paratrain's runtime: TP collectives overlapped with the matmuls (torch's micro-pipelined
+    # async TP, torch._inductor.config._micro_pipeline_tp; needs compile and SP), and ZeRO-1 run as a distributed
+    # optimizer (gradients reduce-scattered and parameters all-gathered once per step, both overlapped)
+    async_tp: bool = False
+    dist_optimizer: bool = False
 
     def layout_options(self) -> dict:
         """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
@@ -182,7 +187,8 @@ def with_time(job: Job, hw: HardwareProfile, cand: Candidate) -> Candidate:
     """Step time, tokens/s and MFU, for layouts that do not fit too (how fast it would be with more memory)."""
     if cand.time is None:
         lay = cand.layout
-        cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type)
+        cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type,
+                                  async_tp=job.async_tp, dist_optimizer=job.dist_optimizer)
         tokens = job.global_batch * job.seq_len
         cand.tokens_per_s_per_device = tokens / cand.time.step_s / lay.world
         peak = hw.gpu.peak_tflops.get(job.dtype)

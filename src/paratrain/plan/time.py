@@ -9,7 +9,13 @@ Overlap rules (the fraction `overlap` of the profile is how much of an overlappa
   ZeRO-1     as DDP, plus the parameter broadcast after the optimizer step (exposed)
   FSDP2      all-gathers are prefetched under the previous block's compute; the first one is exposed;
              reduce-scatters run under the backward, the last one is exposed; HSDP adds an all-reduce
-  TP / SP    on the critical path: fully exposed
+  TP / SP    on the critical path: fully exposed; with async TP (compile-gated, below) each collective is split
+             into tp steps that run under the partial matmuls: one step's transfer shows, and what exceeds the
+             micro-batch's compute
+  dist. opt. ZeRO-1 as a distributed optimizer (Megatron-Core's --use-distributed-optimizer with
+             --overlap-grad-reduce --overlap-param-gather): gradients reduce-scattered once per step under the last
+             micro-batch's backward, parameters all-gathered once per step under the next forward; the last / first
+             bucket is exposed
   CP ring    K/V rotation posted before each block's attention: hides under it
   Ulysses    all-to-alls are exposed
   PP         m slots of the slowest stage rank plus a bubble of (p - 1) slots of the other ranks' work for
@@ -197,8 +203,24 @@ def hsdp_all_reduce(profile: HardwareProfile, layout: Layout, shard_bytes: float
     return collective_time(profile, "all_reduce", shard_bytes, nr, where, members_per_node(layout, "dp_replicate", gpn))
 
 
+def distributed_optimizer_comm(profile: HardwareProfile, layout: Layout, grads: float, params: float, fwd: float,
+                               bwd: float, est: TimeEstimate) -> float:
+    """ZeRO-1 run as a distributed optimizer: one bucketed reduce-scatter of the gradients under the last
+    micro-batch's backward, one bucketed all-gather of the updated parameters under the next step's forward."""
+    gpn = profile.gpu.gpus_per_node
+    n, where, rails = layout.group_size("dp_cp"), layout.placement("dp_cp", gpn), members_per_node(layout, "dp_cp", gpn)
+    est.add_comm("reduce_scatter", grads, n)
+    est.add_comm("all_gather", params, n)
+    exposed = 0.0
+    for kind, nbytes, under in (("reduce_scatter", grads, bwd), ("all_gather", params, fwd)):
+        whole = collective_time(profile, kind, nbytes, n, where, rails)
+        bucket = collective_time(profile, kind, min(nbytes, DDP_BUCKET_BYTES), n, where, rails)
+        exposed += bucket + max(0.0, whole - bucket - profile.overlap * under)
+    return exposed
+
+
 def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[ChunkTime], dtype: str,
-                       est: TimeEstimate) -> float:
+                       est: TimeEstimate, dist_optimizer: bool = False) -> float:
     """Exposed seconds of the data-parallel collectives of one step on one rank."""
     gpn, m = profile.gpu.gpus_per_node, layout.microbatches
     grads = sum(c.tr.scalar("grads", c.layers) for c in chunks)  # local fp32 gradient bytes (unsharded)
@@ -238,6 +260,9 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
         exposed += (gathers + 1) * tensors * profile.framework_us.get("fsdp_param", 0.0) * 1e-6
         exposed += (gathers * 2 * gathered + 2 * grads) / (profile.mem_bw_gbs * 1e9)
         return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
+    if layout.ddp and layout.zero_stage == 1 and dist_optimizer:
+        gathered = params / 2 if dtype in ("bf16", "fp8") else params  # the model's low-precision copy
+        return distributed_optimizer_comm(profile, layout, grads, gathered, fwd, bwd, est)
     if layout.ddp:
         group = "dp_cp"
         n, where, rails = layout.group_size(group), layout.placement(group, gpn), members_per_node(layout, group, gpn)
@@ -269,19 +294,31 @@ def pipeline_factor(schedule: str, pp: int, m: int, v: int) -> tuple[float, floa
     return float(m), bubble
 
 
+def async_tp_exposed(c: ChunkTime, layout: Layout, overlap: float) -> float:
+    """TP time left exposed per micro-batch when each all-gather / reduce-scatter is split into tp steps that
+    run under the partial matmuls (async TP): the first step's transfer, and what exceeds the compute."""
+    first = c.tp_exposed / layout.tp
+    return first + max(0.0, c.tp_exposed - first - overlap * (c.fwd + c.bwd))
+
+
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
-                  device_type: str) -> TimeEstimate:
+                  device_type: str, async_tp: bool = False, dist_optimizer: bool = False) -> TimeEstimate:
+    """async_tp: TP collectives overlapped with the matmuls (torch's micro-pipelined TP, which needs compile and
+    SP; ignored otherwise). dist_optimizer: a ZeRO-1 layout runs as a distributed optimizer (see the top)."""
     est = TimeEstimate()
+    overlapped_tp = async_tp and layout.compile and layout.sp and layout.tp > 1
     m = layout.microbatches
     gpn = profile.gpu.gpus_per_node
     if layout.pp == 1:
         chunk = chunk_time(profile, args, layout, "whole", args.n_layers, seq_len, dtype, device_type, est, m)
+        if overlapped_tp:
+            chunk.tp_exposed = async_tp_exposed(chunk, layout, profile.overlap)
         per_mb = chunk.fwd + chunk.bwd
         cp_exposed = chunk.cp_calls + (max(0.0, chunk.cp_comm - profile.overlap * 0.5 * per_mb)
                                        if layout.cp_impl == "ring" else chunk.cp_comm)
         opt = chunk.opt / layout.shard_degree if layout.fsdp else (
             chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
-        dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est)
+        dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est, dist_optimizer)
         est.compute_s = m * per_mb + opt
         est.comm_exposed_s = m * (chunk.tp_exposed + cp_exposed) + dp_exposed
         est.step_s = est.compute_s + est.comm_exposed_s
@@ -297,8 +334,10 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     for rank, part, layers in stages:
         if (part, layers) not in done:
             share = TimeEstimate()
-            done[(part, layers)] = (chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type,
-                                               share, m), share)
+            c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m)
+            if overlapped_tp:
+                c.tp_exposed = async_tp_exposed(c, layout, profile.overlap)
+            done[(part, layers)] = (c, share)
         c, share = done[(part, layers)]
         ranks.setdefault(rank, []).append(c)
         if rank == 0:
@@ -331,7 +370,7 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     others = sum(t for r, t in per_rank.items() if r != slowest) / max(layout.pp - 1, 1)
     opt = max(sum(c.opt for c in cs) for cs in ranks.values())
     opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
-    dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est)
+    dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer)
     compute = sum(c.fwd + c.bwd for c in ranks[slowest])
     est.compute_s = busy * compute + opt
     est.bubble_s = bubble * others
