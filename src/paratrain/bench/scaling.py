@@ -182,11 +182,16 @@ def bench_worker(cfg_dict: dict, warmup: int, steps: int, threads: int) -> dict 
     return result if rt.is_main else None
 
 
+def slowest_rank_step_times(raw: dict) -> list[float]:
+    """Per measured step of a cell, the slowest rank's step time (the step is as slow as it)."""
+    ranks = raw["ranks"]
+    return [max(r["rows"][i]["step_time_s"] for r in ranks) for i in range(len(ranks[0]["rows"]))]
+
+
 def summarize_cell(strategy: str, world: int, cfg, raw: dict, predicted: dict | None) -> dict:
     ranks = raw["ranks"]
     # the step is as slow as its slowest rank; average that over the measured steps
-    per_step = [max(r["rows"][i]["step_time_s"] for r in ranks) for i in range(len(ranks[0]["rows"]))]
-    step_time = statistics.fmean(per_step)
+    step_time = statistics.fmean(slowest_rank_step_times(raw))
     phases = {k: statistics.fmean(statistics.fmean(row.get(f"{k}_s", 0.0) for row in r["rows"]) for r in ranks)
               for k in PHASE_KEYS if k != "other"}
     phases["other"] = max(0.0, step_time - sum(phases.values()))
