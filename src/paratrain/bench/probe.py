@@ -22,20 +22,28 @@ def probe_config(cfg, layout, warmup: int, steps: int):
                                   "resume": "never", "ckpt_every": 0, "out": None, "eval_every": 0})
 
 
-def measure(cfg, cand, warmup: int, steps: int) -> tuple[list[float], str | None]:
-    """The slowest rank's time of each measured step of one layout, or the reason it did not run."""
-    from paratrain.bench.scaling import run_cell, slowest_rank_step_times
+def measure(cfg, picks: list, warmup: int, steps: int) -> list[tuple[list[float], str | None]]:
+    """Per layout, the slowest rank's time of each measured step, or why it did not run. All layouts run one
+    after the other in one process group (one start-up), in the planner's order."""
+    from paratrain.bench.scaling import run_cells, slowest_rank_step_times
     from paratrain.train.validate import validate_run
 
-    pcfg = probe_config(cfg, cand.layout, warmup, steps)
-    try:
-        validate_run(pcfg, cand.layout.world)
-        raw = run_cell(pcfg, cand.layout.world, warmup, steps)
-    except (UserError, CheckFailed) as exc:
-        return [], str(exc)
+    out: list = [None] * len(picks)
+    runnable = []
+    for i, cand in enumerate(picks):
+        pcfg = probe_config(cfg, cand.layout, warmup, steps)
+        try:
+            validate_run(pcfg, cand.layout.world)
+            runnable.append((i, pcfg))
+        except UserError as exc:
+            out[i] = ([], str(exc))
+    raw = run_cells([c for _, c in runnable], picks[0].layout.world, warmup, steps, keep_going=True) \
+        if runnable else []
     if raw is None:
-        return [], "rank 0 returned nothing"
-    return slowest_rank_step_times(raw), None
+        raise CheckFailed("--probe: rank 0 returned nothing")
+    for (i, _), cell in zip(runnable, raw):
+        out[i] = ([], cell["error"]) if "error" in cell else (slowest_rank_step_times(cell), None)
+    return out
 
 
 def resolve_by_probe(cfg, warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS):
@@ -51,11 +59,11 @@ def resolve_by_probe(cfg, warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS):
     picks = feasible[:cfg.probe]
     log.info("--strategy auto --probe %d (%s, %d x %s): %d feasible layout(s); probing %d, %d warm-up + %d measured "
              "steps each", cfg.probe, where, job.gpus, profile.gpu.name, len(feasible), len(picks), warmup, steps)
-    probes = []
     for rank, cand in enumerate(picks):
         log.info("probe %d/%d: %s (predicted %.3g ms/step)", rank + 1, len(picks), cand.layout.label(),
                  cand.time.step_s * 1e3)
-        times, error = measure(cfg, cand, warmup, steps)
+    probes = []
+    for rank, (cand, (times, error)) in enumerate(zip(picks, measure(cfg, picks, warmup, steps))):
         if error:
             log.warning("probe %d: %s did not run: %s", rank + 1, cand.layout.label(), error)
         probes.append(Probe(rank, cand, cand.time.step_s, times, error))
