@@ -101,6 +101,10 @@ class TrainConfig(BaseModel):
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
     local_sgd_period: int = Field(0, ge=0)
     cpu_offload: bool = False
+    # uneven splits for mixed clusters (docs/strategies.md): integer weights per data-parallel rank ("3:1"),
+    # transformer blocks per pipeline stage ("3:1"); None: even
+    dp_batch_split: str | None = None
+    pp_layers: str | None = None
 
     # optimisation
     lr: float = Field(3e-3, gt=0)

@@ -46,6 +46,11 @@ def check_verifiable(cfg, layout) -> None:
                         "for step; its convergence against DDP is tested instead")
     if layout.pp_enabled:
         return
+    if layout.dp_micro_batches:  # --dp-batch-split: --microbatches is the accumulation count
+        if layout.microbatches == 1 and cfg.microbatches is not None:
+            raise UserError("--microbatches 1 takes each rank's whole share as one micro-batch: no gradient "
+                            "accumulation happens, so verify would not exercise it; give --microbatches 2 or more")
+        return
     local = cfg.global_batch // layout.dp
     if cfg.microbatches is not None and cfg.microbatches != layout.microbatches:
         raise UserError(f"--microbatches {cfg.microbatches} does not act without a pipeline: this run takes "
@@ -95,7 +100,8 @@ def reference_config(cfg, dtype: str):
     return cfg.model_copy(update={"strategy": "single", "micro_batch": None, "microbatches": None, "dp_replicate": None,
                                   "dp_shard": None, "tp": None, "pp": None, "cp": None, "sp": False, "ac": "none",
                                   "compile": False, "cpu_offload": False, "ddp_comm_hook": "none",
-                                  "local_sgd_period": 0, "virtual_stages": 1, "dtype": dtype})
+                                  "local_sgd_period": 0, "virtual_stages": 1, "dtype": dtype,
+                                  "dp_batch_split": None, "pp_layers": None})
 
 
 def reference_run(cfg, rt, dtype: str, fingerprints: bool) -> dict:
@@ -226,6 +232,7 @@ class Report:
         layout, m = self.layout, self.max
         return {"strategy": self.cfg.strategy, "dims": layout.degrees(), "world_size": layout.world,
                 "steps": self.cfg.steps, "dtype": self.cfg.dtype, "model": self.cfg.model,
+                "dp_batch_split": self.cfg.dp_batch_split, "pp_layers": self.cfg.pp_layers,
                 "tolerance": self.tol.to_dict(), "noise_floor": self.floor,
                 "floor_multiple": floor_multiple(layout) if self.floor is not None else None,
                 "max_loss_abs_diff": m["loss_abs"], "max_loss_rel_diff": m["loss_rel"],

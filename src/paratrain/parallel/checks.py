@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from paratrain.errors import UserError
 from paratrain.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from paratrain.parallel.uneven import refuse_uneven_dp, stage_layer_counts
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
 CP_IMPLS = ("ring", "ulysses")
@@ -16,9 +17,13 @@ def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_t
     if layout.pp > 1 and args.n_layers < layout.pp * layout.virtual_stages:
         raise UserError(f"pp={layout.pp} x {layout.virtual_stages} stage(s) per rank = "
                         f"{layout.pp * layout.virtual_stages} stages but the model has only {args.n_layers} layers")
-    if global_batch % layout.dp:
+    if layout.pp_layers:
+        stage_layer_counts(":".join(map(str, layout.pp_layers)), layout.pp * layout.virtual_stages, args.n_layers)
+    if layout.dp_micro_batches:
+        check_uneven_dp(layout, global_batch)
+    elif global_batch % layout.dp:
         raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {layout.dp}")
-    if layout.micro_batch * layout.microbatches * layout.dp != global_batch:
+    elif layout.micro_batch * layout.microbatches * layout.dp != global_batch:
         raise UserError(f"micro-batch {layout.micro_batch} x {layout.microbatches} x dp {layout.dp} does not make "
                         f"the global batch {global_batch}")
     if layout.cp > 1:
@@ -32,6 +37,16 @@ def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_t
                             "and the last stage's head would need a gradient all-reduce between stages, which paratrain "
                             "does not do; use another strategy or an untied model")
     check_dp_options(layout, device_type)
+
+
+def check_uneven_dp(layout: Layout, global_batch: int) -> None:
+    """--dp-batch-split: one micro-batch size per dp rank, adding up to the global batch, in a layout it runs."""
+    if len(layout.dp_micro_batches) != layout.dp:
+        raise UserError(f"{len(layout.dp_micro_batches)} per-rank micro-batches for {layout.dp} data-parallel ranks")
+    if layout.global_batch != global_batch:
+        raise UserError(f"per-rank micro-batches {':'.join(map(str, layout.dp_micro_batches))} x "
+                        f"{layout.microbatches} do not make the global batch {global_batch}")
+    refuse_uneven_dp(layout)
 
 
 def check_tp_divides(args, tp: int) -> None:

@@ -51,6 +51,10 @@ class Layout:
     local_sgd_period: int = 0
     cpu_offload: bool = False
     powersgd_start: int = 2  # plain all-reduce steps before PowerSGD compresses
+    # uneven splits (parallel/uneven.py); empty: even. dp_micro_batches: each data-parallel rank's micro-batch
+    # (then micro_batch is the largest of them); pp_layers: transformer blocks per pipeline stage
+    dp_micro_batches: tuple[int, ...] = ()
+    pp_layers: tuple[int, ...] = ()
     mesh: object = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,8 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"degree --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        for name in ("dp_micro_batches", "pp_layers"):  # from_dict() hands JSON lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # -- sizes ------------------------------------------------------------------------------------------
     @property
@@ -120,6 +126,16 @@ class Layout:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def micro_batch_of(self, dp_rank: int) -> int:
+        """Sequences per forward on this data-parallel rank (they differ under --dp-batch-split)."""
+        return self.dp_micro_batches[dp_rank] if self.dp_micro_batches else self.micro_batch
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        per_forward = sum(self.dp_micro_batches) if self.dp_micro_batches else self.micro_batch * self.dp
+        return per_forward * self.microbatches
+
     def group_size(self, group: str) -> int:
         size = 1
         for d in GROUP_DIMS[group]:
@@ -170,6 +186,10 @@ class Layout:
             extra.append(self.cp_impl)
         if self.pp > 1:
             extra.append(self.pp_schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.dp_micro_batches:
+            extra.append("dp batches " + ":".join(map(str, self.dp_micro_batches)))
+        if self.pp_layers:
+            extra.append("pp layers " + ":".join(map(str, self.pp_layers)))
         body = self.describe() if self.world > 1 else "1 device"
         return f"{self.strategy} [{body}{'; ' + ', '.join(extra) if extra else ''}]"
 
@@ -185,14 +205,23 @@ class Layout:
         if self.pp > 1:
             args += ["--pp-schedule", self.pp_schedule, "--virtual-stages", str(self.virtual_stages),
                      "--microbatches", str(self.microbatches)]
-        args += ["--micro-batch", str(self.micro_batch), "--ac", self.ac, "--seq-len", str(seq_len),
+        if self.pp_layers:
+            args += ["--pp-layers", ":".join(map(str, self.pp_layers))]
+        if self.dp_micro_batches:  # the split in micro-batch units; --microbatches gives the count
+            args += ["--dp-batch-split", ":".join(map(str, self.dp_micro_batches)), "--microbatches",
+                     str(self.microbatches)]
+        else:
+            args += ["--micro-batch", str(self.micro_batch)]
+        args += ["--ac", self.ac, "--seq-len", str(seq_len),
                  "--global-batch", str(global_batch), "--dtype", self.dtype]
         if self.compile:
             args.append("--compile")
         return args
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"}
+        # tuples as lists, as they come back from JSON (from_dict turns them back into tuples)
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self) if f.name != "mesh"}
 
     @classmethod
     def from_dict(cls, values: dict) -> Layout:

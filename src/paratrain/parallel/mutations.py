@@ -30,6 +30,7 @@ MUTATIONS = {
     "pp-drop-microbatch-grad": "(e) the last pipeline stage drops micro-batch 0's parameter gradients",
     "zero1-no-broadcast": "(f) ZeRO-1 never broadcasts rank 1's updated parameter shard back",
     "sp-norm-grad-no-reduce": "(g) sequence-parallel norm weights keep their partial, unreduced gradients",
+    "dp-split-unweighted": "(h) under --dp-batch-split every rank's loss is weighted alike, not by its tokens",
 }
 
 

@@ -37,8 +37,10 @@ def layer_costs(model: nn.Module, seq_len: int) -> tuple[list[float], float, flo
     return costs, embed, head
 
 
-def split_into_stages(model: nn.Module, pp: int, virtual_stages: int = 1, seq_len: int | None = None) -> list[StageSpec]:
-    """Cut the layers into pp * virtual_stages contiguous stages minimising the most expensive stage.
+def split_into_stages(model: nn.Module, pp: int, virtual_stages: int = 1, seq_len: int | None = None,
+                      counts: tuple[int, ...] = ()) -> list[StageSpec]:
+    """Cut the layers into pp * virtual_stages contiguous stages minimising the most expensive stage, or, with
+    `counts` (--pp-layers), into stages of exactly those many layers each (e.g. for unequal devices).
 
     The embedding always sits on the first stage and norm + head + loss on the last; their cost counts
     toward those stages, so the ends get fewer layers when the head is heavy. Each stage gets >= 1 layer.
@@ -58,6 +60,10 @@ def split_into_stages(model: nn.Module, pp: int, virtual_stages: int = 1, seq_le
         return prefix[hi] - prefix[lo] + extra
 
     n = len(names)
+    if counts:
+        bounds = explicit_bounds(counts, n_stages, n)
+        return [StageSpec(s, tuple(names[lo:hi]), s == 0, s == n_stages - 1, stage_cost(s, lo, hi))
+                for s, (lo, hi) in enumerate(bounds)]
     inf = float("inf")
     # best[s][i]: the smallest achievable max-stage cost putting layers [0, i) into stages 0..s
     best = [[inf] * (n + 1) for _ in range(n_stages)]
@@ -79,6 +85,18 @@ def split_into_stages(model: nn.Module, pp: int, virtual_stages: int = 1, seq_le
     bounds.reverse()
     return [StageSpec(s, tuple(names[lo:hi]), s == 0, s == n_stages - 1, stage_cost(s, lo, hi))
             for s, (lo, hi) in enumerate(bounds)]
+
+
+def explicit_bounds(counts: tuple[int, ...], n_stages: int, n_layers: int) -> list[tuple[int, int]]:
+    """[lo, hi) layer ranges of stages holding counts[s] layers each (checked: one per stage, summing to all)."""
+    from paratrain.parallel.uneven import stage_layer_counts
+
+    stage_layer_counts(":".join(map(str, counts)), n_stages, n_layers)
+    bounds, lo = [], 0
+    for count in counts:
+        bounds.append((lo, lo + count))
+        lo += count
+    return bounds
 
 
 def stage_ranks(pp: int, n_stages: int, style: str = "loop") -> list[int]:

@@ -124,11 +124,14 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     given = {n: getattr(cfg, n) for n in DIM_NAMES}
     degrees = resolve_degrees(cfg.strategy, world_size, given)
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    if cfg.global_batch % dp:
-        raise UserError(f"global batch {cfg.global_batch} is not divisible by the data-parallel degree {dp}")
-    local = cfg.global_batch // dp
+    uneven = uneven_fields(cfg, degrees)
     pipelined = degrees["pp"] > 1
-    if pipelined:
+    if uneven.get("dp_micro_batches"):  # each rank's own micro-batch; micro_batch: the largest
+        micro, microbatches = max(uneven["dp_micro_batches"]), cfg.microbatches or 1
+    elif cfg.global_batch % dp:
+        raise UserError(f"global batch {cfg.global_batch} is not divisible by the data-parallel degree {dp}")
+    elif pipelined:
+        local = cfg.global_batch // dp
         microbatches = resolve_microbatches(row.naive_pipeline, cfg.microbatches, cfg.micro_batch, local,
                                             degrees["pp"])
         if local % microbatches:
@@ -136,6 +139,7 @@ def resolve_layout(cfg, world_size: int) -> Layout:
                             f"by {microbatches} pipeline micro-batches")
         micro = local // microbatches
     else:
+        local = cfg.global_batch // dp
         micro = cfg.micro_batch or local
         if local % micro:
             raise UserError(f"per-rank batch {local} (global batch {cfg.global_batch} / dp {dp}) is not divisible "
@@ -151,7 +155,30 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     return Layout(**degrees, zero_stage=zero_stage_for(row, degrees), sp=sp, cp_impl=cp_impl,
                   pp_schedule=schedule, virtual_stages=virtual, micro_batch=micro, microbatches=microbatches,
                   ac=cfg.ac, dtype=cfg.dtype, compile=cfg.compile, ddp_comm_hook=hook,
-                  local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start)
+                  local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start,
+                  **uneven)
+
+
+def uneven_fields(cfg, degrees: dict[str, int]) -> dict:
+    """Layout fields for --dp-batch-split (each dp rank's micro-batch) and --pp-layers (blocks per stage)."""
+    from paratrain.parallel.uneven import dp_micro_batches
+
+    fields: dict = {}
+    split = getattr(cfg, "dp_batch_split", None)
+    if split:
+        if cfg.micro_batch is not None:
+            raise UserError("--dp-batch-split sets each rank's micro-batch (its share / --microbatches); "
+                            "give --microbatches M instead of --micro-batch")
+        dp = degrees["dp_replicate"] * degrees["dp_shard"]
+        fields["dp_micro_batches"], _ = dp_micro_batches(split, cfg.global_batch, dp, cfg.microbatches)
+    layers = getattr(cfg, "pp_layers", None)
+    if layers:
+        if degrees["pp"] == 1:
+            raise UserError("--pp-layers sets blocks per pipeline stage; it needs --pp > 1 (strategy pp or model)")
+        from paratrain.parallel.uneven import parse_counts
+
+        fields["pp_layers"] = parse_counts(layers, "--pp-layers")
+    return fields
 
 
 def fixed_by_strategy(name: str) -> dict:
@@ -176,7 +203,12 @@ def config_fields(layout: Layout) -> dict:
     for `train --strategy auto` and for plan candidates handed to train."""
     fields = {"strategy": layout.strategy, "nproc": layout.world, **layout.degrees(), "sp": layout.sp,
               "micro_batch": layout.micro_batch, "ac": layout.ac, "dtype": layout.dtype, "compile": layout.compile,
-              "global_batch": layout.micro_batch * layout.microbatches * layout.dp}
+              "global_batch": layout.global_batch}
+    if layout.dp_micro_batches:  # the split in micro-batch units, the count as --microbatches
+        fields.update(micro_batch=None, microbatches=layout.microbatches,
+                      dp_batch_split=":".join(map(str, layout.dp_micro_batches)))
+    if layout.pp_layers:
+        fields["pp_layers"] = ":".join(map(str, layout.pp_layers))
     if layout.cp > 1:
         fields["cp_impl"] = layout.cp_impl
     if layout.pp > 1:

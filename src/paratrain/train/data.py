@@ -205,13 +205,22 @@ class BatchSource:
     """Yields this rank's micro-batches for each optimizer step.
 
     global_batch samples per step are cut into `dp` contiguous rank slices, then each slice into
-    micro-batches of `micro_batch`. Position (step) is the only state, so resuming is exact.
+    micro-batches of `micro_batch`. Position (step) is the only state, so resuming is exact. `shares`
+    (--dp-batch-split): each rank's slice size, in rank order, instead of global_batch / dp for all.
     """
 
-    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int):
-        if global_batch % dp_size:
+    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                 shares: tuple[int, ...] = ()):
+        if shares:
+            if len(shares) != dp_size or sum(shares) != global_batch:
+                raise UserError(f"per-rank batches {shares} do not split the global batch {global_batch} "
+                                f"over {dp_size} data-parallel ranks")
+            self.local, self.offset = shares[dp_rank], sum(shares[:dp_rank])
+        elif global_batch % dp_size:
             raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {dp_size}")
-        self.local = global_batch // dp_size
+        else:
+            self.local = global_batch // dp_size
+            self.offset = dp_rank * self.local
         if self.local % micro_batch:
             raise UserError(f"per-rank batch {self.local} is not divisible by micro-batch {micro_batch}")
         self.dataset, self.global_batch = dataset, global_batch
@@ -226,7 +235,7 @@ class BatchSource:
         return self.local // self.micro_batch
 
     def rank_batch(self, step: int) -> Batch:
-        first = step * self.global_batch + self.dp_rank * self.local
+        first = step * self.global_batch + self.offset
         if hasattr(self.dataset, "batch"):  # a custom model's data function (train/custom.py)
             return self.dataset.batch(np.arange(first, first + self.local, dtype=np.int64))
         tokens = torch.from_numpy(self.dataset.samples(np.arange(first, first + self.local, dtype=np.int64)))

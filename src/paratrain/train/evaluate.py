@@ -19,8 +19,9 @@ from paratrain.train.step import autocast_context, plain_loss
 
 
 class Validator:
-    def __init__(self, dataset, global_batch: int, dp_rank: int, dp: int, micro_batch: int, batches: int):
-        self.source = BatchSource(dataset, global_batch, dp_rank, dp, micro_batch)
+    def __init__(self, dataset, global_batch: int, dp_rank: int, dp: int, micro_batch: int, batches: int,
+                 shares: tuple[int, ...] = ()):
+        self.source = BatchSource(dataset, global_batch, dp_rank, dp, micro_batch, shares)
         self.batches = batches
 
     def micro_batches(self, index: int) -> list[Batch]:
@@ -41,14 +42,15 @@ def validation_batches(cfg, dataset) -> int:
     return min(cfg.val_batches, available)
 
 
-def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_batch: int | None = None):
+def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_batch: int | None = None,
+                    shares: tuple[int, ...] = ()):
     """The run's Validator, or None when it does not validate. Raises UserError on bad validation options."""
     dataset = make_val_dataset(cfg.data, cfg.val_data, cfg.val_fraction, cfg.eval_every, vocab_size, cfg.seq_len,
                                cfg.seed)
     if dataset is None:
         return None
     micro = micro_batch or cfg.global_batch // dp
-    return Validator(dataset, cfg.global_batch, dp_rank, dp, micro, validation_batches(cfg, dataset))
+    return Validator(dataset, cfg.global_batch, dp_rank, dp, micro, validation_batches(cfg, dataset), shares)
 
 
 def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
@@ -61,7 +63,9 @@ def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
             with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
                 logits = runner.model(inputs, **extra)
             loss = runner.loss_fn(logits, targets).detach().float()
-        total += plain_loss(loss) / len(micro)
+        # --dp-batch-split: weighted by this rank's share, as in training (PlainStep.loss_weight)
+        weight = runner.loss_weight
+        total += plain_loss(loss) / len(micro) if weight is None else plain_loss(loss) * weight
     return total
 
 

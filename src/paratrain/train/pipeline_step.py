@@ -177,13 +177,14 @@ class PipelineStep:
 
 
 def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, seq_len: int,
-                        tp_plan_for=None) -> PipelineStep:
+                        tp_plan_for=None, throttle=None) -> PipelineStep:
     """Split `model` into stages, keep this rank's, parallelize each (TP/FSDP/DDP), and build the schedule.
 
     tp_plan_for(stage_module) gives each stage's TP plan when tp > 1 (the model family's, from the caller).
-    fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines.
+    fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines. `throttle` (test-only,
+    train/throttle.py) stretches each stage chunk's compute; --pp-layers fixes the blocks per stage.
     """
-    specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len)
+    specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_layers)
     ranks = stage_ranks(layout.pp, len(specs))
     pp_mesh = layout.submesh("pp")
     pp_rank = pp_mesh.get_local_rank()
@@ -202,6 +203,9 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
             _shape_pass_without_sync(stage)
         if mutation("pp-drop-microbatch-grad") and spec.last:  # TEST-ONLY mutation (e), see parallel/mutations.py
             drop_microbatch_grad(stage)
+        if throttle is not None:  # before the busy clock wraps them: a slowed stage counts as busy, not idle
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, throttle.wrap(getattr(stage, name)))
         stages.append(stage)
     step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
     cls = SCHEDULES[layout.pp_schedule]

@@ -60,13 +60,18 @@ class PlainStep:
     """Forward + backward over the micro-batches of one step, for every strategy without a pipeline."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
-                 prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False):
+                 prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False,
+                 loss_weight: float | None = None, throttle=None):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
         self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
         self.loss_parallel = loss_parallel  # TP: vocab-sharded logits; loss and backward under loss_parallel()
         self.mark_graph_steps = mark_graph_steps  # --cuda-graphs: each forward starts a new captured step
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
+        # each micro-batch's loss multiplier; None: 1 / micro-batches. --dp-batch-split sets dp x this rank's
+        # micro-batch / global batch, so the dp-averaged gradient is the global token-weighted mean
+        self.loss_weight = loss_weight
+        self.throttle = throttle  # test-only slowdown of this rank (train/throttle.py), or None
 
     def loss_context(self):
         if not self.loss_parallel:
@@ -80,7 +85,8 @@ class PlainStep:
         return [self.model]
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Mean loss over this rank's tokens (detached); leaves gradients in .grad."""
+        """Mean loss over this rank's tokens (detached); leaves gradients in .grad. Under --dp-batch-split, this
+        rank's share of the global mean x dp (the trainer's average over dp then gives the global mean)."""
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         fsdp_sync = getattr(self.model, "set_requires_gradient_sync", None)
@@ -93,11 +99,16 @@ class PlainStep:
                 inputs, targets, extra = self.prepare_batch(inputs, targets)
             if self.mark_graph_steps:
                 torch.compiler.cudagraph_mark_step_begin()
+            if self.throttle:
+                self.throttle.start()
             with _no_grad_sync(self.model, last), self.loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
-                loss = self.loss_fn(logits, targets) / n
+                loss = self.loss_fn(logits, targets)
+                loss = loss / n if self.loss_weight is None else loss * self.loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if self.throttle:
+                self.throttle.stop()
             loss = loss.detach()
             total += plain_loss(loss)
         return total

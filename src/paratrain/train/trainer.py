@@ -25,6 +25,7 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.mutations import mutation, skip_shard_update
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
+from paratrain.parallel.uneven import dp_loss_weight, dp_shares
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
@@ -35,9 +36,12 @@ from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
+from paratrain.train.throttle import Throttle
 
 log = logging.getLogger("paratrain")
 LOADER_DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"  # test-only, see test_loader_delay_s()
+# test-only, next to it: PARATRAIN_TEST_RANK_SLOWDOWN="RANK:FACTOR[,...]" stretches those ranks' compute
+# FACTOR x (a slower GPU in a mixed cluster); see train/throttle.py
 
 
 def test_loader_delay_s() -> float:
@@ -95,10 +99,11 @@ class Trainer:
             make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
         self.floor = dataset.entropy_floor()
         self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
-        dp_rank = self.layout.dp_rank(runtime.rank) if self.distributed else 0
-        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, self.layout.micro_batch)
+        dp_rank = self.dp_rank
+        micro, shares = self.layout.micro_batch_of(dp_rank), dp_shares(self.layout)  # shares: --dp-batch-split
+        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, micro, shares)
         self.validator = None if custom else \
-            build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, self.layout.micro_batch)
+            build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, micro, shares)
         self.last_val: dict = {}
         self.step = 0
         # a custom model's data function yields samples, not sequences: its "tokens" are samples
@@ -119,15 +124,20 @@ class Trainer:
         self.phase_timer = None  # per-phase timing hooks, set by doctor/capture.py
 
     # -- assembly -----------------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank(self.rt.rank) if self.distributed else 0
+
     def _build_step_runner(self, model):
         layout = self.layout
+        throttle = Throttle.for_rank(self.rt.rank, self.rt.device_type)  # test-only; None unless asked for
         use_autocast = layout.dtype != "fp32"
         plan_for = self.custom.plan_for if self.custom else \
             functools.partial(hf_tp_plan if self.hf else tp_plan_for, tp=layout.tp, sp=layout.sp)
         if layout.pp_enabled:
             from paratrain.train.pipeline_step import build_pipeline_step
 
-            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for)
+            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, throttle)
         prepare = None
         if layout.cp_enabled:
             from paratrain.parallel.context_parallel import sequence_sharder
@@ -155,7 +165,8 @@ class Trainer:
         if (layout.compile or graphs) and not layout.tp_enabled:
             loss_fn = compile_loss(loss_fn)
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
-                         loss_parallel=loss_parallel, mark_graph_steps=graphs)
+                         loss_parallel=loss_parallel, mark_graph_steps=graphs,
+                         loss_weight=dp_loss_weight(layout, self.dp_rank), throttle=throttle)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg

@@ -1,0 +1,216 @@
+"""Uneven splits for mixed clusters: --dp-batch-split and --pp-layers against one device, and the test-only
+rank throttle.
+
+Parity reference: bench/verify.py's single-device run on the same global batch (same seed, weights, data order),
+every step, every rank, at verify's fp32 tolerances (loss 1e-5 relative, grads 1e-4, params 1e-5 + 1e-4
+relative). Two launches (2 and 3 ranks, gloo) run every multi-rank check through uneven_worker.py. The fault
+check: the same split with every rank's loss weighted alike instead of by its tokens (mutation h) must fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import cli_env
+from paratrain.config import TrainConfig
+from paratrain.errors import UserError
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.strategies import config_fields, resolve_layout
+from paratrain.parallel.uneven import dp_loss_weight, dp_micro_batches, stage_layer_counts
+from paratrain.train.data import BatchSource, SyntheticMarkov
+from paratrain.train.step import PlainStep
+from paratrain.train.throttle import SLOWDOWN_ENV, Throttle, rank_slowdown
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIN_MARGIN = 5  # tolerance / largest error seen, per check; measured margins are in docs/strategies.md
+
+
+def launch(nproc: int) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "uneven_worker.py"), str(nproc)], capture_output=True,
+                          text=True, timeout=300, env=cli_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(2)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return launch(3)
+
+
+def assert_parity(runs: dict, names) -> None:
+    for name in names:
+        run = runs[name]
+        assert run["passed"] is True and run["first_divergence"] is None, (name, run)
+        assert run["same_loss_on_every_rank"], name  # every rank reports the global token-weighted mean
+        for check, margin in run["margins"].items():
+            assert margin is None or margin >= MIN_MARGIN, (name, check, margin)
+
+
+# -- data parallel ------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(320)
+def test_uneven_dp_on_two_ranks_matches_one_device(two_ranks):
+    names = [n for n in two_ranks["clean"] if not n.startswith("pp")]
+    assert {"ddp 3:1 x3", "ddp 1:3", "ddp 5:3", "zero1 3:1", "zero2 5:3", "zero3 3:1 x3", "zero3 1:3"} <= set(names)
+    assert_parity(two_ranks["clean"], names)
+
+
+@pytest.mark.timeout(320)
+def test_uneven_dp_on_three_ranks_matches_one_device(three_ranks):
+    assert set(three_ranks["clean"]) == {"ddp 2:1:1 x3", "zero3 3:2:1", "ddp 3:2:1 x2"}
+    assert_parity(three_ranks["clean"], three_ranks["clean"])
+
+
+@pytest.mark.timeout(320)
+def test_split_weighted_by_rank_instead_of_tokens_fails_verify(two_ranks):
+    """Mutation (h): each rank's loss weighted 1/M whatever its share; verify must fail at step 1."""
+    for name, run in two_ranks["mutated"].items():
+        assert run["passed"] is False, name
+        assert run["first_divergence"]["step"] == 1, (name, run["first_divergence"])
+        assert run["max_grad_rel_diff"] > 100 * 1e-4, name  # far outside the 1e-4 gradient tolerance
+
+
+def test_shares_weights_and_refusals():
+    assert dp_micro_batches("3:1", 8, 2, None) == ((6, 2), 1)
+    assert dp_micro_batches("3:2:1", 12, 3, 2) == ((3, 2, 1), 2)
+    assert dp_micro_batches("2:2", 6, 2, None) == ((3, 3), 1)  # weights reduce: 6 splits 1:1
+    with pytest.raises(UserError, match=r"multiples of 4 \(e.g. 8, 12\)"):
+        dp_micro_batches("3:1", 10, 2, None)
+    with pytest.raises(UserError, match="values that do: 1, 2$"):
+        dp_micro_batches("3:1", 8, 2, 3)
+    with pytest.raises(UserError, match="3 entries but there are 2"):
+        dp_micro_batches("1:1:1", 6, 2, None)
+    for bad in ("3:0", "a:1", "3:-1", "3.5:1", ""):
+        with pytest.raises(UserError):
+            dp_micro_batches(bad, 8, 2, None)
+    layout = resolve_layout(TrainConfig(strategy="ddp", global_batch=12, dp_batch_split="3:1", microbatches=3), 2)
+    assert layout.dp_micro_batches == (3, 1) and layout.microbatches == 3 and layout.global_batch == 12
+    # rank r's loss weight x its micro-batches = dp x its share of the global batch: the weights average to 1
+    assert [dp_loss_weight(layout, r) * 3 for r in (0, 1)] == [1.5, 0.5]
+    for bad in ({"strategy": "ddp", "micro_batch": 2}, {"strategy": "ddp", "ddp_comm_hook": "fp16"},
+                {"strategy": "ddp", "local_sgd_period": 2}, {"strategy": "tp", "dp_shard": 2}):
+        with pytest.raises(UserError, match="dp-batch-split"):
+            cfg = TrainConfig(**{"global_batch": 8, "dp_batch_split": "3:1", **bad})
+            from paratrain.parallel.checks import check_uneven_dp
+
+            check_uneven_dp(resolve_layout(cfg, 4 if bad["strategy"] == "tp" else 2), 8)
+
+
+def test_data_slices_follow_the_split_and_cover_the_global_batch():
+    data = SyntheticMarkov(64, 8, seed=1)
+    whole = BatchSource(data, 8, 0, 1, 8).rank_batch(3).inputs
+    parts = [BatchSource(data, 8, r, 2, m, (6, 2)) for r, m in ((0, 3), (1, 1))]
+    assert [len(p.next_step()) for p in parts] == [2, 2]  # same micro-batch count on every rank
+    assert torch.equal(torch.cat([p.rank_batch(3).inputs for p in parts]), whole)
+
+
+def test_layout_round_trips_through_config_and_dict():
+    for cfg in (TrainConfig(strategy="zero3", global_batch=12, dp_batch_split="3:2:1", microbatches=2),
+                TrainConfig(strategy="pp", model="tiny4", pp_layers="3:1", microbatches=2)):
+        layout = resolve_layout(cfg, 3 if cfg.dp_batch_split else 2)
+        again = resolve_layout(TrainConfig(**{**config_fields(layout), "model": cfg.model}), layout.world)
+        assert again == layout
+        assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+
+
+# -- pipeline -----------------------------------------------------------------------------------------------------
+def stage_param_bytes(model: str, n_layers: int | None, counts: list[int], pp: int) -> list[int]:
+    """fp32 parameter bytes each pipeline rank should hold for these per-stage block counts (loop placement)."""
+    from paratrain.models.presets import build_model, model_args_for
+
+    net = build_model(model_args_for(TrainConfig(model=model, n_layers=n_layers)), "cpu", seed=0)
+    size = [sum(p.numel() for p in block.parameters()) for block in net.layers.values()]
+    head = sum(p.numel() for m in (net.norm, net.output) for p in m.parameters())
+    out, lo = [0] * pp, 0
+    for stage, count in enumerate(counts):
+        out[stage % pp] += sum(size[lo:lo + count])
+        lo += count
+    out[0] += net.tok_embeddings.weight.numel()
+    out[(len(counts) - 1) % pp] += head
+    return [4 * n for n in out]
+
+
+@pytest.mark.timeout(320)
+def test_pp_layers_match_one_device_and_place_the_blocks_asked_for(two_ranks):
+    runs = two_ranks["clean"]
+    assert_parity(runs, ["pp 3:1", "pp 1:3", "pp interleaved 3:1:1:1"])
+    for name, model, n_layers, counts in (("pp 3:1", "tiny4", None, [3, 1]), ("pp 1:3", "tiny4", None, [1, 3]),
+                                          ("pp interleaved 3:1:1:1", "tiny", 6, [3, 1, 1, 1])):
+        held = [row["params"] for row in runs[name]["model_state_bytes"]["per_rank"]]
+        assert held == stage_param_bytes(model, n_layers, counts, 2), name
+
+
+def test_pp_layers_refusals():
+    assert stage_layer_counts("3:1", 2, 4) == (3, 1)
+    with pytest.raises(UserError, match="adds up to 5 blocks but the model has 4"):
+        stage_layer_counts("4:1", 2, 4)
+    with pytest.raises(UserError, match="3 entries but the pipeline has 2 stages"):
+        stage_layer_counts("2:1:1", 2, 4)
+    with pytest.raises(UserError, match="needs --pp > 1"):
+        resolve_layout(TrainConfig(strategy="ddp", pp_layers="1:1"), 2)
+
+
+def test_cli_refuses_a_bad_split_in_one_line_and_prints_both_keys(capsys):
+    from paratrain import cli
+
+    with pytest.raises(SystemExit) as exit_info:  # in-process: refused before any worker starts
+        cli.main(["train", "--strategy", "ddp", "--nproc", "2", "--global-batch", "10", "--dp-batch-split", "3:1",
+                  "--steps", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "multiples of 4" in err, err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--dp-batch-split", "3:1", "--pp-layers", "2:2", "--print-config"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and 'dp_batch_split = "3:1"' in out and 'pp_layers = "2:2"' in out, out
+
+
+# -- the test-only throttle -----------------------------------------------------------------------------------------
+@pytest.mark.timeout(320)
+def test_throttle_switch_reaches_only_the_named_rank(two_ranks):
+    slept = two_ranks["slept_s"]
+    assert slept[0] is None and slept[1] > 0, slept
+
+
+def test_throttle_stretches_measured_compute(monkeypatch):
+    monkeypatch.setenv(SLOWDOWN_ENV, "1:3, 2:1.5")
+    assert (rank_slowdown(0), rank_slowdown(1), rank_slowdown(2)) == (1.0, 3.0, 1.5)
+    for bad in ("1", "x:2", "1:0.5"):
+        monkeypatch.setenv(SLOWDOWN_ENV, bad)
+        with pytest.raises(UserError, match=SLOWDOWN_ENV):
+            rank_slowdown(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 64))
+    batch = BatchSource(SyntheticMarkov(64, 64, seed=0), 8, 0, 1, 8).next_step()
+
+    def fastest(throttle) -> float:
+        runner = PlainStep(model, torch.device("cpu"), "fp32", False, throttle=throttle)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            runner.forward_backward(batch)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the throttle's CPU clock counts this thread: one compute thread, as in rank runs
+    try:
+        plain, slowed = fastest(None), fastest(Throttle(3.0, "cpu"))
+        with pytest.raises(UserError, match="OMP_NUM_THREADS=1"):
+            torch.set_num_threads(2)
+            monkeypatch.setenv(SLOWDOWN_ENV, "0:2")
+            Throttle.for_rank(0, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert slowed >= 1.5 * plain, (plain, slowed)
