@@ -104,9 +104,8 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
         "dp_batch_split": None, "pp_layers": None,
     }
     if mixed is not None:
-        from paratrain.plan.uneven import split_flags
-
         step = mixed.chosen.step_s
+        run = mixed.chosen.layout
         tokens = job.global_batch * job.seq_len
         peak = sum(cluster.profiles[d.gpu].gpu.peak_tflops.get(job.dtype, 0.0) for d in cluster.devices)
         doc.update(step_time_s=step, step_time_even_s=mixed.even.step_s,
@@ -116,8 +115,9 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
                    dp_batch_split=mixed.chosen.dp_batch_split, pp_layers=mixed.chosen.pp_layers,
                    per_device=mixed.chosen.per_device, per_device_even=mixed.even.per_device,
                    bottleneck=mixed.bottleneck(), split_reasons=mixed.reasons,
-                   reasons=doc["reasons"] + mixed.reasons)
-        doc["command"] = " ".join([doc["command"], *split_flags(mixed)])
+                   reasons=doc["reasons"] + mixed.reasons, micro_batch=run.micro_batch, microbatches=run.microbatches,
+                   command="paratrain train " + " ".join([*job.model_flags(),
+                                                          *run.train_args(job.seq_len, job.global_batch)]))
     return doc
 
 

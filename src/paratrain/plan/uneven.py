@@ -17,9 +17,7 @@ only when it is predicted faster.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from functools import reduce
 
 from paratrain.parallel.layout import Layout
 from paratrain.plan.cluster import Cluster, Device
@@ -34,10 +32,10 @@ class Split:
     kind: str  # "even" | "dp" | "pp"
     step_s: float
     per_device: list[dict]
-    dp_batch_split: list[int] | None = None
-    microbatches: int | None = None  # data parallel: micro-batches every rank runs
+    dp_batch_split: list[int] | None = None  # each data-parallel rank's micro-batch (the runtime's weights)
     pp_layers: list[int] | None = None
     fits: bool = True
+    layout: Layout | None = None  # the layout that runs this split (dp_micro_batches / pp_layers set)
 
     def bottleneck(self) -> dict:
         return max(self.per_device, key=lambda d: d["busy_s"])
@@ -125,9 +123,10 @@ class DataParallelModel:
                 fits &= mem <= _usable(self.job, self.cluster, dev)
                 rows.append(_device_row(self.job, self.cluster, dev, self.time(dev, mb, m), mem, dp_rank=i,
                                         batch=mb * m, micro_batch=mb))
-        g = reduce(math.gcd, sizes)
-        return Split(kind, max(r["busy_s"] for r in rows), rows, microbatches=m,
-                     dp_batch_split=[s // g for s in sizes] if kind == "dp" else None, fits=fits)
+        if kind == "even":
+            return Split(kind, max(r["busy_s"] for r in rows), rows, fits=fits, layout=self.lay)
+        lay = replace(self.lay, micro_batch=max(sizes), microbatches=m, dp_micro_batches=tuple(sizes))
+        return Split(kind, max(r["busy_s"] for r in rows), rows, dp_batch_split=list(sizes), fits=fits, layout=lay)
 
 
 def water_fill(n: int, units: int, cost, cap) -> list[int] | None:
@@ -237,7 +236,9 @@ class PipelineModel:
         others = sum(s for r, (s, _) in slots.items() if r != slowest) / max(lay.pp - 1, 1)
         step = busy * slots[slowest][0] + bubble * others + max(o for _, o in slots.values()) \
             + 2 * (lay.pp - 1) * latency
-        return Split(kind, step, rows, pp_layers=list(layers) if kind == "pp" else None, fits=fits)
+        if kind == "even":
+            return Split(kind, step, rows, fits=fits, layout=lay)
+        return Split(kind, step, rows, pp_layers=list(layers), fits=fits, layout=replace(lay, pp_layers=tuple(layers)))
 
 
 def even_layers(job: Job, lay: Layout) -> list[int]:
@@ -290,7 +291,7 @@ def slowest_devices(cluster: Cluster, lay: Layout, job: Job) -> Split:
         t = estimate_time(cluster.profile_for(dev), job.args, lay, job.seq_len, job.dtype, job.device_type).step_s
         mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type).total
         rows.append(_device_row(job, cluster, dev, t, mem))
-    return Split("even", max(r["busy_s"] for r in rows), rows, fits=all(
+    return Split("even", max(r["busy_s"] for r in rows), rows, layout=lay, fits=all(
         r["memory_gib"] * GIB <= _usable(job, cluster, d) for r, d in zip(rows, cluster.devices)))
 
 
@@ -304,10 +305,13 @@ def explain_split(even: Split, uneven: Split | None, chosen: Split, lay: Layout)
     out = [f"bottleneck: {_name(slow)} is busy {slow['busy_s']:.3g} s per step"
            + (f" (the least busy, {_name(fast)}, {fast['busy_s']:.3g} s)" if fast["rank"] != slow["rank"] else "")]
     if uneven is None:
-        what = "batch" if lay.pp == 1 else "blocks"
-        out.append(f"even split of the {what} kept: no uneven split is predicted faster" if lay.pp == 1 or lay.dp == 1
-                   else "even split: pipeline and data parallel together take no uneven split (every device "
-                        "priced at its even share)")
+        if lay.pp == 1 and lay.tp == 1 and lay.cp == 1:
+            out.append("even split of the batch kept: no uneven split is predicted faster, or none fits")
+        elif lay.pp > 1 and lay.dp == 1:
+            out.append("even split of the blocks kept: no uneven split is predicted faster, or none fits")
+        else:
+            out.append("even split: the runtime splits unevenly over data parallelism alone (no tp / cp) or over "
+                       "pipeline stages alone (no dp); every device priced at its even share")
         return out
     gain = 1 - uneven.step_s / even.step_s
     if chosen is uneven:
@@ -329,21 +333,11 @@ def explain_split(even: Split, uneven: Split | None, chosen: Split, lay: Layout)
 def analyze(job: Job, cluster: Cluster, cand: Candidate) -> MixedResult:
     """Even and uneven splits of a candidate's layout on the cluster, the chosen one, and why."""
     lay = cand.layout
-    if lay.pp == 1:
+    if lay.pp == 1 and lay.tp == 1 and lay.cp == 1:
         even, uneven = dp_splits(job, cluster, lay)
-    elif lay.dp == 1:
+    elif lay.pp > 1 and lay.dp == 1:
         even, uneven = pp_splits(job, cluster, lay)
-    else:
+    else:  # the runtime splits the batch unevenly over data parallelism alone (parallel/uneven.py)
         even, uneven = slowest_devices(cluster, lay, job), None
     chosen = uneven if uneven is not None and uneven.fits and uneven.step_s < even.step_s else even
     return MixedResult(even=even, chosen=chosen, uneven=uneven, reasons=explain_split(even, uneven, chosen, lay))
-
-
-def split_flags(result: MixedResult) -> list[str]:
-    """The `paratrain train` flags that run the chosen split (none for the even one)."""
-    s = result.chosen
-    if s.dp_batch_split:
-        return ["--dp-batch-split", ":".join(map(str, s.dp_batch_split))]
-    if s.pp_layers:
-        return ["--pp-layers", ":".join(map(str, s.pp_layers))]
-    return []
