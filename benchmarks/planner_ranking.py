@@ -7,10 +7,10 @@ For each configuration of the grid (model, sequence length, global batch; 2 gloo
 1. the planner ranks its feasible layouts (plan/search.py, every strategy it searches on 2 ranks, plus its best
    pipeline layout) with the hardware profile: --profile FILE, else the one `paratrain plan --calibrate` saved,
    else a fresh `--calibrate --calibrate-rounds 1` into runs/ (said so in the output);
-2. every candidate is measured (2 warm-up + --steps steps, one process group for all of a configuration's
-   candidates; the step time is the median over steps of the slowest rank's): the truth;
-3. the probe (bench/probe.py, as `train --strategy auto --probe K` runs it: the top K, 2 warm-up + 3 steps each,
-   a separate measurement from the truth's) picks its measured best; the ranking with the probe orders probed
+2. every candidate is measured (2 interleaved rounds of 2 warm-up + --steps steps, one process group for all
+   of a configuration's candidates; the step time is the median over steps of the slowest rank's): the truth;
+3. the probe (bench/probe.py, as `train --strategy auto --probe K` runs it: the top K, 2 interleaved rounds of
+   2 warm-up + 2 steps, a separate measurement from the truth's) picks its measured best; the ranking with the probe orders probed
    layouts by what the probe measured and the others by the refitted model (plan/probe.py).
 Per configuration: the planner's pick, the measured best, whether the pick is within 10% of it, tau; then the
 fraction within 10% and the mean tau, both ways. Timings are this machine's at the time: the load average is
@@ -74,13 +74,12 @@ def candidates(model: str, seq: int, batch: int, profile, limit: int) -> tuple[o
     return job, sorted(pool, key=lambda c: c.time.step_s)
 
 
-def measure(base, pool: list, warmup: int, steps: int) -> list[float | None]:
-    from paratrain.bench.probe import probe_config
-    from paratrain.bench.scaling import run_cells, slowest_rank_step_times
+def measure(base, pool: list, steps: int) -> list[float | None]:
+    """The truth: every candidate in 2 interleaved rounds of 2 warm-up + `steps` steps (bench/probe.py's
+    measure, a separate run from the probe's), the median of the slowest rank's step times."""
+    from paratrain.bench.probe import measure as measure_layouts
 
-    cells = run_cells([probe_config(base, c.layout, warmup, steps) for c in pool], WORLD, warmup, steps,
-                      keep_going=True)
-    return [None if "error" in cell else statistics.median(slowest_rank_step_times(cell)) for cell in cells]
+    return [statistics.median(times) if times else None for times, _ in measure_layouts(base, pool, 2, steps, 2)]
 
 
 def with_probe(base, pool: list, k: int) -> tuple[int, list[float]]:
@@ -106,7 +105,7 @@ def main() -> int:
     parser.add_argument("--profile", help="hardware profile JSON (default: the calibrated one, else calibrate)")
     parser.add_argument("--probe", type=int, default=3, help="K of --probe K")
     parser.add_argument("--candidates", type=int, default=6, help="layouts per configuration (planner's top)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per layout for the truth")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per layout and round for the truth")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -119,7 +118,7 @@ def main() -> int:
         job, pool = candidates(model, seq, batch, profile, a.candidates)
         base = TrainConfig(model=model, seq_len=seq, global_batch=batch, nproc=WORLD, device="cpu", dtype="fp32",
                            timeout_s=120.0)
-        truth = measure(base, pool, 2, a.steps)
+        truth = measure(base, pool, a.steps)
         ok = [i for i, t in enumerate(truth) if t is not None]
         best = min(ok, key=lambda i: truth[i])
         probe_pick, probe_order = with_probe(base, pool, a.probe)

@@ -12,7 +12,7 @@ import sys
 from paratrain.errors import CheckFailed, UserError
 
 log = logging.getLogger("paratrain")
-PROBE_WARMUP, PROBE_STEPS = 2, 3
+PROBE_WARMUP, PROBE_STEPS, PROBE_ROUNDS = 2, 2, 2
 
 
 def probe_config(cfg, layout, warmup: int, steps: int):
@@ -22,9 +22,11 @@ def probe_config(cfg, layout, warmup: int, steps: int):
                                   "resume": "never", "ckpt_every": 0, "out": None, "eval_every": 0})
 
 
-def measure(cfg, picks: list, warmup: int, steps: int) -> list[tuple[list[float], str | None]]:
-    """Per layout, the slowest rank's time of each measured step, or why it did not run. All layouts run one
-    after the other in one process group (one start-up), in the planner's order."""
+def measure(cfg, picks: list, warmup: int, steps: int,
+            rounds: int = PROBE_ROUNDS) -> list[tuple[list[float], str | None]]:
+    """Per layout, the slowest rank's time of each measured step, or why it did not run. All layouts run in one
+    process group (one start-up), in rounds: A B C, A B C, ... so that a shared machine's changing load falls on
+    all of them alike rather than on whichever ran last."""
     from paratrain.bench.scaling import run_cells, slowest_rank_step_times
     from paratrain.train.validate import validate_run
 
@@ -37,12 +39,16 @@ def measure(cfg, picks: list, warmup: int, steps: int) -> list[tuple[list[float]
             runnable.append((i, pcfg))
         except UserError as exc:
             out[i] = ([], str(exc))
-    raw = run_cells([c for _, c in runnable], picks[0].layout.world, warmup, steps, keep_going=True) \
-        if runnable else []
-    if raw is None:
+    if not runnable:
+        return out
+    cells = run_cells([c for _ in range(rounds) for _, c in runnable], picks[0].layout.world, warmup, steps,
+                      keep_going=True)
+    if cells is None:
         raise CheckFailed("--probe: rank 0 returned nothing")
-    for (i, _), cell in zip(runnable, raw):
-        out[i] = ([], cell["error"]) if "error" in cell else (slowest_rank_step_times(cell), None)
+    for j, (i, _) in enumerate(runnable):
+        mine = cells[j::len(runnable)]
+        errors = [c["error"] for c in mine if "error" in c]
+        out[i] = ([], errors[0]) if errors else ([t for c in mine for t in slowest_rank_step_times(c)], None)
     return out
 
 
@@ -57,8 +63,9 @@ def resolve_by_probe(cfg, warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS):
         raise UserError("--probe starts its own process groups; run it directly, not under torchrun/srun")
     job, profile, where, feasible = plan_for_auto(cfg)
     picks = feasible[:cfg.probe]
-    log.info("--strategy auto --probe %d (%s, %d x %s): %d feasible layout(s); probing %d, %d warm-up + %d measured "
-             "steps each", cfg.probe, where, job.gpus, profile.gpu.name, len(feasible), len(picks), warmup, steps)
+    log.info("--strategy auto --probe %d (%s, %d x %s): %d feasible layout(s); probing %d in %d rounds of %d warm-up "
+             "+ %d measured steps each", cfg.probe, where, job.gpus, profile.gpu.name, len(feasible), len(picks),
+             PROBE_ROUNDS, warmup, steps)
     for rank, cand in enumerate(picks):
         log.info("probe %d/%d: %s (predicted %.3g ms/step)", rank + 1, len(picks), cand.layout.label(),
                  cand.time.step_s * 1e3)
