@@ -76,7 +76,7 @@ def test_a_homogeneous_list_plans_as_the_plain_gpu_does(cli_inproc):
 
 
 def test_two_gpu_types_split_toward_the_faster(cli_inproc):
-    doc, _ = plan(cli_inproc, "--model", "tiny", "--seq-len", "1024", "--global-batch", "64", "--dtype", "bf16",
+    doc, _ = plan(cli_inproc, "--model", "tiny", "--seq-len", "256", "--global-batch", "64", "--dtype", "bf16",
                   "--json", "--gpu", "h100-sxm:2,a6000:2", "--strategy", "ddp", "--top", "1")
     c = doc["cluster"]
     assert c["gpu"] == "h100-sxm:2,a6000:2" and c["gpus"] == 4 and c["nodes"] == 2

@@ -155,7 +155,8 @@ def dp_splits(job: Job, cluster: Cluster, lay: Layout) -> tuple[Split, Split | N
     for m in (d for d in range(lay.microbatches, 0, -1) if job.global_batch % d == 0):
         units = job.global_batch // m
         caps = {i: model.max_micro_batch(i, m, units) for i in range(n)}
-        sizes = water_fill(n, units, lambda i, k: model.group_time_between(i, k, m), lambda i: caps[i])
+        sizes = water_fill(n, units, lambda i, k, m=m: model.group_time_between(i, k, m),
+                           lambda i, caps=caps: caps[i])
         if sizes is None or len(set(sizes)) == 1:
             continue
         trial = model.split(sizes, m, "dp")
@@ -274,7 +275,7 @@ def pp_splits(job: Job, cluster: Cluster, lay: Layout) -> tuple[Split, Split | N
     if sizes is None:
         return even, None
     per_rank = [s * v for s in sizes]
-    for r in range(job.args.n_layers - sum(per_rank)):  # blocks left over when v does not divide them
+    for _ in range(job.args.n_layers - sum(per_rank)):  # blocks left over when v does not divide them
         per_rank[min(range(pp), key=lambda q: cost(q, per_rank[q] + 1))] += 1
     layers = spread(per_rank)
     if layers == even.pp_layers or layers == even_layers(job, lay):
