@@ -69,7 +69,7 @@ def test_uneven_dp_on_two_ranks_matches_one_device(two_ranks):
 
 @pytest.mark.timeout(320)
 def test_uneven_dp_on_three_ranks_matches_one_device(three_ranks):
-    assert set(three_ranks["clean"]) == {"ddp 2:1:1 x3", "zero3 3:2:1", "ddp 3:2:1 x2"}
+    assert set(three_ranks["clean"]) == {"ddp 2:1:1 x3", "zero3 3:2:1"}
     assert_parity(three_ranks["clean"], three_ranks["clean"])
 
 
@@ -179,8 +179,8 @@ def test_cli_refuses_a_bad_split_in_one_line_and_prints_both_keys(capsys):
 # -- the test-only throttle -----------------------------------------------------------------------------------------
 @pytest.mark.timeout(320)
 def test_throttle_switch_reaches_only_the_named_rank(two_ranks):
-    slept = two_ranks["slept_s"]
-    assert slept[0] is None and slept[1] > 0, slept
+    for strategy, slept in two_ranks["slept_s"].items():  # ddp, and pp (its stage chunks are stretched)
+        assert slept[0] is None and slept[1] > 0, (strategy, slept)
 
 
 def test_throttle_stretches_measured_compute(monkeypatch):

@@ -104,6 +104,7 @@ class PipelineStep:
             self.clock.instrument(stage)
         self._losses: list[torch.Tensor] = []
         self.last_timing: dict | None = None
+        self.throttle = None  # test-only (train/throttle.py): set when it wraps this rank's stages
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per micro-batch mean loss. The schedule then divides the grads by the micro-batch count
@@ -208,6 +209,7 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
                 setattr(stage, name, throttle.wrap(getattr(stage, name)))
         stages.append(stage)
     step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
+    step.throttle = throttle
     cls = SCHEDULES[layout.pp_schedule]
     stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
     step.schedule = cls(stage_arg, layout.microbatches, loss_fn=step.loss_fn, scale_grads=True)
