@@ -132,13 +132,18 @@ def setup_cli_logging() -> None:
 @app.command()
 @with_train_options
 def train(print_config: bool = typer.Option(False, "--print-config", help="print the resolved config as TOML"),
+          probe: Optional[int] = typer.Option(None, "--probe", help="with --strategy auto: run the planner's top K "
+                                                                    "layouts a few steps each, train with the "
+                                                                    "fastest measured (docs/mixed-clusters.md)"),
           script: Optional[str] = typer.Option(None, "--script", help="train your own nn.Module: FILE.py:FUNCTION "
                                                                       "(docs/api.md)"),
           as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
           train_opts: dict = None):
     """Train a model on N devices with any strategy."""
     setup_cli_logging()
-    cfg = resolve_config(train_opts)
+    cfg = resolve_config(train_opts, probe=probe)
+    if cfg.probe and cfg.strategy != "auto":
+        raise UserError(f"--probe {cfg.probe} needs --strategy auto (got --strategy {cfg.strategy})")
     if print_config:
         sys.stdout.write(cfg.to_toml())
         return
@@ -146,7 +151,12 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     from paratrain.train.validate import validate_run, world_size_for
     from paratrain.train.worker import train_worker
 
-    if cfg.strategy == "auto":
+    probed = None
+    if cfg.strategy == "auto" and cfg.probe:
+        from paratrain.bench.probe import resolve_by_probe
+
+        cfg, probed = resolve_by_probe(cfg)
+    elif cfg.strategy == "auto":
         from paratrain.plan.auto import resolve_auto_strategy
 
         cfg = resolve_auto_strategy(cfg)
@@ -187,7 +197,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     log.info("done: %d steps, loss %.4f%s, %.0f tokens/s%s; run dir %s", summary["steps"], summary["final_loss"], vs,
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
-        emit_json({k: v for k, v in summary.items() if k != "losses"})
+        emit_json({k: v for k, v in summary.items() if k != "losses"} | ({"probe": probed} if probed else {}))
 
 
 def _holds_nothing_new(run_dir: Path) -> bool:
@@ -374,7 +384,10 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
 def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset (see train --help), or hf:PATH"),
          hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="a Hugging Face config.json or its directory (any decoder-only causal LM)"),
          gpu: Optional[str] = typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
-                                                               "rtx4090, l4, l40s, cpu"),
+                                                               "rtx4090, l4, l40s, cpu; or a list per node in rank "
+                                                               "order for a mixed cluster: h100-sxm:8,a100-80:8"),
+         cluster: Optional[Path] = typer.Option(None, "--cluster", help="mixed cluster JSON: nodes with GPU type, "
+                                                                       "count, links, speed (docs/mixed-clusters.md)"),
          gpus: Optional[int] = typer.Option(None, "--gpus", help="total GPUs (devices)"),
          nodes: Optional[int] = typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))"),
          seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
@@ -411,7 +424,7 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout")):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
-    from paratrain.plan.command import build_job, format_plan
+    from paratrain.plan.command import build_plan_inputs, format_plan
 
     opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top", "search")}
     opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
@@ -427,14 +440,16 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
             if as_json:
                 emit_json({"hardware_profile": path, **profile.to_dict()})
             return
-    if gpus is None:
+    from paratrain.plan.cluster import is_gpu_list
+
+    if gpus is None and not (cluster or is_gpu_list(gpu)):
         raise UserError("--gpus N is required")
     from paratrain.plan.report import plan_document
 
-    job, hw, fixed = build_job(opts)
+    job, hw, fixed, mixed = build_plan_inputs(opts)
     if search not in ("fast", "full"):
         raise UserError(f"--search must be fast or full, got {search!r}")
-    doc = plan_document(job, hw, fixed, top=top, exhaustive=search == "full")
+    doc = plan_document(job, hw, fixed, top=top, exhaustive=search == "full", cluster=mixed)
     sys.stderr.write(format_plan(doc))
     if as_json:
         emit_json(doc)

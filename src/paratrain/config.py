@@ -72,6 +72,7 @@ class TrainConfig(BaseModel):
 
     # where and how
     strategy: str = "ddp"
+    probe: int = Field(0, ge=0)  # with strategy "auto": run the planner's top K layouts a few steps, keep the fastest
     nproc: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"  # fp8: torchao float8 linears, GPUs with FP8 cores

@@ -63,11 +63,18 @@ def threads_per_rank(world: int) -> int:
 
 def run_cell(cfg, world: int, warmup: int, steps: int) -> dict | None:
     """One process group of `world` fresh processes (one-process cells too: memory must not carry over)."""
-    args = (cfg.model_dump(), warmup, steps, threads_per_rank(world))
+    out = run_cells([cfg], world, warmup, steps)
+    return out[0] if out else None
+
+
+def run_cells(cfgs: list, world: int, warmup: int, steps: int, keep_going: bool = False) -> list | None:
+    """Several cells of one world size, one after the other in one process group (the probe of `train --strategy
+    auto --probe`: no start-up per layout). keep_going: a cell that fails gives {"error": ...} and the next runs."""
+    args = ([c.model_dump() for c in cfgs], warmup, steps, threads_per_rank(world), keep_going)
     if world > 1:
         from paratrain.train.launch import run_workers
 
-        return run_workers(bench_worker, args, world, 0, cfg.timeout_s).get(0)
+        return run_workers(measure_cells, args, world, 0, cfgs[0].timeout_s).get(0)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -75,9 +82,9 @@ def run_cell(cfg, world: int, warmup: int, steps: int) -> dict | None:
     ctx.set_forkserver_preload(["torch", "paratrain.train.trainer"])  # no effect once the server runs
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
         try:
-            return pool.submit(bench_worker, *args).result()
+            return pool.submit(measure_cells, *args).result()
         except SystemExit as exc:  # the worker printed its one-line error
-            raise UserError(f"bench {cfg.strategy} on 1 process failed (exit {exc.code})") from None
+            raise UserError(f"bench {cfgs[0].strategy} on 1 process failed (exit {exc.code})") from None
 
 
 def current_rss_gib() -> float | None:
@@ -122,71 +129,86 @@ class RssPeak:
         return max(self.peak or 0.0, now or 0.0) if self.peak is not None else None
 
 
-def bench_worker(cfg_dict: dict, warmup: int, steps: int, threads: int) -> dict | None:
-    """One cell on every rank of its group; rank 0 returns the measurements."""
+def measure_cells(cfg_dicts: list[dict], warmup: int, steps: int, threads: int,
+                  keep_going: bool = False) -> list | None:
+    """Cells one after the other on every rank of one group; rank 0 returns their measurements."""
     from paratrain.config import TrainConfig
-    from paratrain.doctor.capture import gather_to_rank0
-    from paratrain.doctor.timers import PHASES, PhaseTimer
     from paratrain.train.runtime import init_runtime, shutdown
-    from paratrain.train.trainer import Trainer
     from paratrain.train.worker import setup_logging
 
-    cfg = TrainConfig(**cfg_dict)
+    cfgs = [TrainConfig(**d) for d in cfg_dicts]
     setup_logging(int(os.environ.get("RANK", "0")))
     torch.set_num_threads(threads)
-    rt = init_runtime(cfg.device, cfg.timeout_s)
-    try:
-        rss = RssPeak().start() if rt.device_type == "cpu" else None
-        trainer = Trainer(cfg, rt, None, quiet=True)
-        timer = PhaseTimer(rt.device_type)
-        handles = timer.attach(trainer)
-        rows, comm = [], {}
-        counting = {}
-
-        def on_step(t, record):
-            step = record["step"]
-            if step > warmup:
-                rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
-                             **{f"{p}_s": timer.current.get(p, 0.0) for p in PHASES}})
-            if step == warmup - 1:
-                from paratrain.parallel.comm import count_collectives
-
-                counting["ctx"] = count_collectives()
-                counting["stats"] = counting["ctx"].__enter__()
-            if step == warmup and "ctx" in counting:
-                counting["ctx"].__exit__(None, None, None)
-                comm.update(counting["stats"].per_step(1))
-
-        trainer.fit(on_step=on_step)
-        for h in handles:
-            h.remove()
-        from paratrain.parallel.model_states import model_state_bytes
-
-        peak = rss.stop() if rss is not None else None
-        local = {"memory_gib": peak if peak is not None else trainer.memory_gib(),
-                 "baseline_gib": rss.baseline if rss is not None and rss.baseline else 0.0, "rows": rows,
-                 "states": model_state_bytes(trainer.step_runner.model_parts, trainer.optimizers)}
-        everyone = gather_to_rank0(local)
-        result = {"ranks": everyone, "comm": comm, "layout": trainer.layout.to_dict(),
-                  "tokens_per_step": trainer.tokens_per_step, "flops_per_step": trainer.flops_per_step,
-                  "peak_tflops": trainer.peak_tflops}
-    except UserError as exc:
-        if rt.is_main:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        shutdown()
-        sys.exit(2)
-    # free the trainer (DDP reducer, FSDP state) while the groups are registered: see train/worker.py
-    trainer = timer = handles = None  # noqa: F841 - dropping the references is the point
-    gc.collect()
+    rt = init_runtime(cfgs[0].device, cfgs[0].timeout_s)
+    results = []
+    for cfg in cfgs:
+        try:
+            results.append(measure_cell(cfg, rt, warmup, steps))
+        except UserError as exc:
+            if not keep_going:
+                if rt.is_main:
+                    print(f"error: {exc}", file=sys.stderr, flush=True)
+                shutdown()
+                sys.exit(2)
+            results.append({"error": str(exc)})
+        # free the cell's trainer (DDP reducer, FSDP state) while the groups are registered: see train/worker.py
+        gc.collect()
     shutdown()
-    return result if rt.is_main else None
+    return results if rt.is_main else None
+
+
+def measure_cell(cfg, rt, warmup: int, steps: int) -> dict:
+    """Warm-up, then measured steps of one config: per-rank step and phase times, memory, collectives."""
+    from paratrain.doctor.capture import gather_to_rank0
+    from paratrain.doctor.timers import PHASES, PhaseTimer
+    from paratrain.train.trainer import Trainer
+
+    rss = RssPeak().start() if rt.device_type == "cpu" else None
+    trainer = Trainer(cfg, rt, None, quiet=True)
+    timer = PhaseTimer(rt.device_type)
+    handles = timer.attach(trainer)
+    rows, comm = [], {}
+    counting = {}
+
+    def on_step(t, record):
+        step = record["step"]
+        if step > warmup:
+            rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
+                         **{f"{p}_s": timer.current.get(p, 0.0) for p in PHASES}})
+        if step == warmup - 1:
+            from paratrain.parallel.comm import count_collectives
+
+            counting["ctx"] = count_collectives()
+            counting["stats"] = counting["ctx"].__enter__()
+        if step == warmup and "ctx" in counting:
+            counting["ctx"].__exit__(None, None, None)
+            comm.update(counting["stats"].per_step(1))
+
+    trainer.fit(on_step=on_step)
+    for h in handles:
+        h.remove()
+    from paratrain.parallel.model_states import model_state_bytes
+
+    peak = rss.stop() if rss is not None else None
+    local = {"memory_gib": peak if peak is not None else trainer.memory_gib(),
+             "baseline_gib": rss.baseline if rss is not None and rss.baseline else 0.0, "rows": rows,
+             "states": model_state_bytes(trainer.step_runner.model_parts, trainer.optimizers)}
+    everyone = gather_to_rank0(local)
+    return {"ranks": everyone, "comm": comm, "layout": trainer.layout.to_dict(),
+            "tokens_per_step": trainer.tokens_per_step, "flops_per_step": trainer.flops_per_step,
+            "peak_tflops": trainer.peak_tflops}
+
+
+def slowest_rank_step_times(raw: dict) -> list[float]:
+    """Per measured step of a cell, the slowest rank's step time (the step is as slow as it)."""
+    ranks = raw["ranks"]
+    return [max(r["rows"][i]["step_time_s"] for r in ranks) for i in range(len(ranks[0]["rows"]))]
 
 
 def summarize_cell(strategy: str, world: int, cfg, raw: dict, predicted: dict | None) -> dict:
     ranks = raw["ranks"]
     # the step is as slow as its slowest rank; average that over the measured steps
-    per_step = [max(r["rows"][i]["step_time_s"] for r in ranks) for i in range(len(ranks[0]["rows"]))]
-    step_time = statistics.fmean(per_step)
+    step_time = statistics.fmean(slowest_rank_step_times(raw))
     phases = {k: statistics.fmean(statistics.fmean(row.get(f"{k}_s", 0.0) for row in r["rows"]) for r in ranks)
               for k in PHASE_KEYS if k != "other"}
     phases["other"] = max(0.0, step_time - sum(phases.values()))

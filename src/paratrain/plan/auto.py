@@ -35,8 +35,29 @@ def auto_hardware(device: str):
     return profile_from_spec(get_gpu("cpu")), "catalog cpu placeholder (calibrate for real figures)"
 
 
-def resolve_auto_strategy(cfg):
-    """cfg with strategy 'auto' -> the same config with the planner's first feasible layout filled in."""
+def scale_predictions_for_test(feasible: list) -> list:
+    """Test-only: PARATRAIN_TEST_PREDICTION_SCALE="STRATEGY:FACTOR[,...]" multiplies the predicted step time of
+    the candidates of that strategy, then re-ranks; a deliberately wrong model, for the probe to overturn."""
+    spec = os.environ.get("PARATRAIN_TEST_PREDICTION_SCALE")
+    if not spec:
+        return feasible
+    factors = {}
+    for item in spec.split(","):
+        name, _, factor = item.partition(":")
+        try:
+            factors[name.strip()] = float(factor)
+        except ValueError:
+            raise UserError(f"PARATRAIN_TEST_PREDICTION_SCALE: expected STRATEGY:FACTOR, got {item!r}") from None
+    for cand in feasible:
+        if cand.layout.strategy in factors:
+            cand.time.step_s *= factors[cand.layout.strategy]
+            log.warning("test hook: predicted step time of %s scaled by %g", cand.layout.label(),
+                        factors[cand.layout.strategy])
+    return sorted(feasible, key=lambda c: c.time.step_s)
+
+
+def plan_for_auto(cfg):
+    """(job, profile, where the profile came from, feasible candidates fastest first) for `--strategy auto`."""
     import dataclasses
 
     from paratrain.models.presets import model_args_for
@@ -61,15 +82,21 @@ def resolve_auto_strategy(cfg):
         raise UserError(f"--strategy auto: no layout of {cfg.model} fits {world} x {profile.gpu.name} "
                         f"({profile.gpu.mem_gib:g} GiB each; the closest needs {closest:.1f} GiB); try more devices "
                         f"or `paratrain plan` for details")
+    return job, profile, where, scale_predictions_for_test(feasible)
+
+
+def resolve_auto_strategy(cfg):
+    """cfg with strategy 'auto' -> the same config with the planner's first feasible layout filled in."""
+    job, profile, where, feasible = plan_for_auto(cfg)
     best = feasible[0]
     lay = best.layout
     from paratrain.plan.report import explain
 
     log.info("--strategy auto (%s, %s): %s, micro-batch %d, ac %s; predicted %.3g s/step, %.2f GiB/device",
-             where, f"{world} x {profile.gpu.name}", lay.label(), lay.micro_batch, lay.ac, best.time.step_s,
+             where, f"{job.gpus} x {profile.gpu.name}", lay.label(), lay.micro_batch, lay.ac, best.time.step_s,
              best.memory.total / 2**30)
     for reason in explain(job, profile, best):
         log.info("  because: %s", reason)
     from paratrain.parallel.strategies import config_fields
 
-    return cfg.model_copy(update=config_fields(lay))
+    return cfg.model_copy(update={**config_fields(lay), "probe": 0})

@@ -8,6 +8,7 @@ import math
 
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import custom_gpu, get_gpu
+from paratrain.plan.cluster import Cluster, reference_profile, resolve_cluster
 from paratrain.plan.hardware import HardwareProfile, load_profile, profile_from_spec, with_cluster_overrides
 from paratrain.plan.search import Job
 
@@ -95,13 +96,26 @@ def fixed_choices(o: dict) -> dict:
 
 
 def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
+    return build_plan_inputs(o)[:3]
+
+
+def build_plan_inputs(o: dict) -> tuple[Job, HardwareProfile, dict, Cluster | None]:
+    """Job, the search's hardware profile, fixed choices, and the cluster when it mixes devices (--cluster FILE
+    or --gpu as a list: then the search runs on the slowest device type with the smallest memory, cluster.py)."""
     args, name = resolve_model(o.get("model"), o.get("hf_config"))
     dtype = o.get("dtype") or "bf16"
     if dtype not in ("bf16", "fp16", "fp32", "fp8"):
         raise UserError(f"--dtype must be bf16, fp16, fp32 or fp8, got {dtype!r}")
+    cluster = resolve_cluster(o, load_profile(o["hardware"]) if o.get("hardware") else None)
+    if cluster is not None:
+        if o.get("nodes") or any(o.get(k) is not None for k in ("peak_tflops", "mem_gib", "intra_node_gbs",
+                                                                "inter_node_gbs")):
+            raise UserError("a cluster list or file describes the nodes and links itself: drop --nodes, "
+                            "--mem-gib, --peak-tflops and the --*-node-gbs options")
+        o = {**o, "gpus": len(cluster.devices)}
     if o.get("gpus") is None or o["gpus"] < 1:
         raise UserError("--gpus N (>= 1) is required")
-    hw = resolve_hardware(o, dtype)
+    hw = reference_profile(cluster, dtype) if cluster is not None else resolve_hardware(o, dtype)
     seq = o.get("seq_len") or args.max_seq_len
     if seq > args.max_seq_len:
         if args.family == "gpt2":
@@ -112,7 +126,20 @@ def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
     job = Job(args=args, model_name=name, gpus=o["gpus"], seq_len=seq, global_batch=batch, dtype=dtype,
               hf_config=o.get("hf_config"), compile=bool(o.get("compile")),
               device_type=device)
-    return job, hw, fixed_choices(o)
+    return job, hw, fixed_choices(o), cluster
+
+
+def format_devices(cand: dict) -> list[str]:
+    """#0 on a mixed cluster: each device's share, busy time and memory, even split beside the chosen one."""
+    lines = [f"  per device (#0, {'uneven' if cand['dp_batch_split'] or cand['pp_layers'] else 'even'} split; "
+             f"even: {cand['step_time_even_s']:.3g} s per step):",
+             f"    {'rank':>4} {'node':>4} {'gpu':<10} {'speed':>5} {'share':>8} {'busy s':>8} {'even s':>8} "
+             f"{'mem GiB':>8} {'of':>6}"]
+    for d, e in zip(cand["per_device"], cand["per_device_even"]):
+        share = f"{d['batch']} seq" if "batch" in d else f"{d['layers']} blk" if "layers" in d else "-"
+        lines.append(f"    {d['rank']:>4} {d['node']:>4} {d['gpu']:<10} {d['speed']:>5.3g} {share:>8} "
+                     f"{d['busy_s']:>8.3g} {e['busy_s']:>8.3g} {d['memory_gib']:>8.3g} {d['mem_capacity_gib']:>6g}")
+    return lines
 
 
 def _short(x) -> str:
@@ -156,5 +183,7 @@ def format_plan(doc: dict) -> str:
         first = doc["candidates"][0]
         lines.append("  why #0:" if doc["fits"] else "  closest (#0):")
         lines += [f"    - {r}" for r in first["reasons"]]
+        if first.get("per_device"):
+            lines += format_devices(first)
         lines.append(f"  run it: {first['command']}")
     return "\n".join(lines) + "\n"

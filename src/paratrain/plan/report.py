@@ -79,9 +79,9 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
     return out
 
 
-def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate) -> dict:
+def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cluster=None) -> dict:
     lay, t = cand.layout, cand.time
-    return {
+    doc = {
         "strategy": lay.strategy, "dims": lay.degrees(),
         "pp_schedule": lay.pp_schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages,
         "microbatches": lay.microbatches, "micro_batch": lay.micro_batch, "activation_checkpointing": lay.ac,
@@ -101,14 +101,44 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate) -> dict:
         "notes": cand.memory.notes if cand.memory else [],
         "command": "paratrain train " + " ".join([*job.model_flags(),
                                                   *lay.train_args(job.seq_len, job.global_batch)]),
+        "dp_batch_split": None, "pp_layers": None,
     }
+    if mixed is not None:
+        step = mixed.chosen.step_s
+        run = mixed.chosen.layout
+        tokens = job.global_batch * job.seq_len
+        peak = sum(cluster.profiles[d.gpu].gpu.peak_tflops.get(job.dtype, 0.0) for d in cluster.devices)
+        doc.update(step_time_s=step, step_time_even_s=mixed.even.step_s,
+                   step_time_uneven_s=mixed.uneven.step_s if mixed.uneven else None,
+                   tokens_per_s_per_device=tokens / step / lay.world,
+                   mfu=job.flops_per_token * tokens / step / (peak * 1e12) if peak else None,
+                   dp_batch_split=mixed.chosen.dp_batch_split, pp_layers=mixed.chosen.pp_layers,
+                   per_device=mixed.chosen.per_device, per_device_even=mixed.even.per_device,
+                   bottleneck=mixed.bottleneck(), split_reasons=mixed.reasons,
+                   reasons=doc["reasons"] + mixed.reasons, micro_batch=run.micro_batch, microbatches=run.microbatches,
+                   command="paratrain train " + " ".join([*job.model_flags(),
+                                                          *run.train_args(job.seq_len, job.global_batch)]))
+    return doc
 
 
-def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exhaustive: bool = False) -> dict:
+def rank_on_cluster(job: Job, cluster, feasible: list[Candidate], top: int) -> tuple[list[Candidate], dict]:
+    """The search's best few, priced per device on the mixed cluster (uneven.py) and re-ranked by it."""
+    from paratrain.plan.uneven import analyze
+
+    pool = feasible[:top + 5]
+    mixed = {id(c): analyze(job, cluster, c) for c in pool}
+    return sorted(pool, key=lambda c: mixed[id(c)].chosen.step_s) + feasible[len(pool):], mixed
+
+
+def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exhaustive: bool = False,
+                  cluster=None) -> dict:
     from paratrain.models.presets import count_params
 
     feasible, infeasible, examined = search(job, hw, fixed, exhaustive)
-    doc_candidates = [candidate_doc(job, hw, c) for c in feasible[:top]]
+    mixed = {}
+    if cluster is not None:
+        feasible, mixed = rank_on_cluster(job, cluster, feasible, top)
+    doc_candidates = [candidate_doc(job, hw, c, mixed.get(id(c)), cluster) for c in feasible[:top]]
     listed = infeasible[:max(0, top - len(doc_candidates)) or 3]
     for cand in listed:  # layouts that do not fit still say how fast they would run
         try:
@@ -138,6 +168,13 @@ def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exh
         "layouts_examined": examined,
         "candidates": doc_candidates,
     }
+    if cluster is not None:
+        doc["cluster"].update(gpu=cluster.spec(), description=cluster.describe(), nodes=cluster.nodes, mixed=cluster.mixed,
+                              source=cluster.source, gpu_types=sorted(cluster.profiles),
+                              devices=[{"rank": d.rank, "node": d.node, "gpu": d.gpu, "speed": d.speed,
+                                        "mem_gib": cluster.mem_gib(d)} for d in cluster.devices],
+                              search_profile=f"{hw.gpu.name} at the slowest device's speed, {hw.gpu.mem_gib:g} GiB "
+                                             "(the smallest memory in the cluster)")
     if not feasible:
         found = smallest_gpu_count(job, hw, fixed)
         doc["smallest_gpus_that_fit"] = found[0] if found else None
