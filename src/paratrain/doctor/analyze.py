@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 
-from paratrain.doctor.counterfactual import counterfactual_costs
+from paratrain.doctor.counterfactual import communication_split, counterfactual_costs
 
 MATH_CEILING = 10.0
 PHASES = ("forward", "backward", "optimizer", "loss_sync")
@@ -127,5 +127,11 @@ def breakdown(captures: list[dict]) -> dict:
     cf_seconds = {k: statistics.fmean(c[k] for c in costs) for k in sorted(causes)}
     counterfactual = {"seconds": cf_seconds, "fractions": {k: v / step if step > 0 else 0.0
                                                            for k, v in cf_seconds.items()}}
+    splits = [communication_split(c.get("probes")) for c in captures]
+    if splits and all(s is not None for s in splits):
+        # mean over ranks of the sync, the peer contention and their sum (None where no alone probe ran)
+        counterfactual["communication_split"] = {
+            k: (None if any(s[k] is None for s in splits) else statistics.fmean(s[k] for s in splits))
+            for k in splits[0]}
     return {"fractions": fractions, "seconds": seconds, "step_time_s": step, "per_rank": per_rank,
             "counterfactual": counterfactual}

@@ -213,7 +213,13 @@ def check_communication(ctx: Context) -> Finding | None:
     nbytes = comm.get("total_bytes")
     by_op = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in (comm.get("bytes_by_op") or {}).items() if v >= 2**10)
     evidence = f"collectives left the step waiting {_ms(exposed)} ({share:.0%} of the {ctx.step_ms:.1f} ms step)"
-    if cost is not None:
+    split = (ctx.analysis.get("counterfactual") or {}).get("communication_split") or {}
+    if cost is not None and split.get("distributed_s") is not None:
+        evidence += (f"; the same step on one rank alone (the peers waiting) is {_ms(split['distributed_s'])} "
+                     f"shorter: running distributed costs {cost:.0%} of the step, the gradient sync itself "
+                     f"{_ms(split['sync_s'])} (skipping it with DDP no_sync) plus {_ms(split['contention_s'])} "
+                     f"of peer-rank contention (ranks computing at once on shared cores or memory bandwidth)")
+    elif cost is not None:
         evidence += (f"; skipping the gradient sync (DDP no_sync) makes the step {_ms(ctx.cost_s('communication'))} "
                      f"shorter: communication costs {cost:.0%} of the step")
     if nbytes:
@@ -238,7 +244,8 @@ def check_communication(ctx: Context) -> Finding | None:
     return Finding("communication", severity, at_stake, evidence, fix,
                    {"exposed_fraction": share, "exposed_ms": exposed * 1e3, "bytes_per_step": nbytes,
                     "counterfactual_fraction": cost,
-                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3})
+                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3,
+                    **{f"{k[:-2]}_ms": (None if v is None else v * 1e3) for k, v in split.items()}})
 
 
 # -- 6. resource allocation and scheduling ---------------------------------------------------------------------------
