@@ -37,7 +37,8 @@ def main() -> None:
     one_staged = [mb.to(rt.device) for mb in one.source.next_step()] if one else None
     two_s, one_s, cf_s, no_sync_s, sync_s, alone_s, broken_s = [], [], [], [], [], [], []
     honest = counterfactual.alone_in_turn
-    for _ in range(rounds):
+    staged_s = []
+    for i in range(rounds):
         two_s.append(probe_step(ddp, staged)["step_s"])
         if one is not None:
             one_s.append(probe_step(one, one_staged)["step_s"])
@@ -46,8 +47,11 @@ def main() -> None:
         cf_s.append(counterfactual_costs(probes, probes["staged_s"])["communication"])
         no_sync_s.append(probes["no_grad_sync_s"])
         alone_s.append(probes["alone_s"])
+        staged_s.append(probes["staged_s"])
         sync_s.append(communication_split(probes)["sync_s"])
-        # the fault: an "alone" probe that removes nothing
+        if i >= 3:
+            continue
+        # the fault (three rounds of it): an "alone" probe that removes nothing
         counterfactual.alone_in_turn = lambda trainer, mb: probe_step(trainer, mb)
         try:
             broken = run_probes(ddp, staged, 1)
@@ -56,7 +60,8 @@ def main() -> None:
         broken_s.append(counterfactual_costs(broken, broken["staged_s"])["communication"])
     if rt.rank == 0:
         print(json.dumps({"two_s": two_s, "one_s": one_s, "cf_s": cf_s, "no_sync_s": no_sync_s,
-                          "alone_s": alone_s, "sync_s": sync_s, "broken_s": broken_s, "pid": os.getpid()}), flush=True)
+                          "alone_s": alone_s, "sync_s": sync_s, "broken_s": broken_s, "staged_s": staged_s,
+                          "pid": os.getpid()}), flush=True)
     shutdown()
 
 
