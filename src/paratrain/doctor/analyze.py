@@ -105,11 +105,14 @@ def rank_breakdown(capture: dict) -> dict:
     from_comm = min(comm, expected)
     from_host = min(host, expected - from_comm)
     comm, host, bubble_s = comm - from_comm, host - from_host, from_comm + from_host
-    other = max(0.0, iteration - step_time) + max(0.0, step_time - data - phases)
+    # the step as `train` times it (metrics.jsonl step_time_s: data wait + the step); the work between steps
+    # (the metrics line, the loop) is reported apart, as between_steps_s, and is not in the step time
+    other = max(0.0, step_time - data - phases)
     seconds = {"compute": compute, "communication_exposed": comm, "data_wait": data, "host_overhead": host,
                "bubble": bubble_s, "other": other}
     return {"rank": capture["rank"], "seconds": seconds, "step_time_s": sum(seconds.values()),
-            "measured_step_time_s": iteration, "profiler_overhead_s": split["profiler_cost"],
+            "measured_step_time_s": step_time, "between_steps_s": max(0.0, iteration - step_time),
+            "profiler_overhead_s": split["profiler_cost"],
             "profiled_phases_s": _phases(capture.get("profiled_steps") or steps),
             "phases_s": {k: _mean(steps, f"{k}_s") for k in PHASES},
             "ops_per_step": split["ops"], "op_cost_s": split["op_s"],
