@@ -8,6 +8,8 @@ runs them), alternating round by round so the machine's load hits both alike, an
                  mean follows the other load, the fastest step much less
     peak ratio   doctor's reported peak memory / train's peak (rank 0; CPU: peak RSS, CUDA: allocator peak)
     monitor      `train --monitor`'s step time / plain train's (same steps, from each run's metrics.jsonl)
+    control      a second plain `train` run / the first: the noise floor, what the same command measures twice
+                 on this machine; a doctor or monitor ratio inside it is not a difference the run can show
 Target: step and peak ratios 1.00 +- 0.05; monitor <= 1.02.
 
     python benchmarks/doctor_overhead.py [--strategies ddp,zero3,tp,pp] [--rounds 3] [--steps 6]
@@ -53,13 +55,13 @@ def doctor_figures(strategy: str, steps: int) -> tuple[float, float, float]:
     return report["step_time_s"], report["peak_mem_gib"], report["step_time_fastest_s"]
 
 
-VARIANTS = ("train", "doctor", "monitor")
+VARIANTS = ("train", "doctor", "monitor", "control")
 
 
 def run_variant(name: str, strategy: str, steps: int, out: Path) -> tuple[float, float, float]:
     if name == "doctor":
         return doctor_figures(strategy, steps)
-    extra = ("--monitor", "--monitor-every", "2") if name == "monitor" else ()
+    extra = ("--monitor", "--monitor-every", "2") if name == "monitor" else ()  # control: plain train again
     return train_figures(strategy, steps, out, *extra)
 
 
@@ -72,29 +74,36 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paratrain-doctor-overhead-") as tmp:
         for strategy in opts.strategies.split(","):
-            step_ratios, peak_ratios, monitor_ratios, fast_ratios, fast_monitor = [], [], [], [], []
+            step_ratios, peak_ratios, monitor_ratios, fast_ratios, fast_monitor, control, fast_control = (
+                [], [], [], [], [], [], [])
             for i in range(opts.rounds):
                 # rotate the order, so no variant always runs on the warmer (or busier) machine
-                order = list(VARIANTS[i % 3:] + VARIANTS[:i % 3])
+                k = i % len(VARIANTS)
+                order = list(VARIANTS[k:] + VARIANTS[:k])
                 got = {name: run_variant(name, strategy, opts.steps, Path(tmp) / f"{strategy}-{i}-{name}")
                        for name in order}
-                (t_step, t_peak, t_fast), (d_step, d_peak, d_fast), (m_step, _, m_fast) = (
-                    got["train"], got["doctor"], got["monitor"])
+                (t_step, t_peak, t_fast), (d_step, d_peak, d_fast), (m_step, _, m_fast), (c_step, _, c_fast) = (
+                    got["train"], got["doctor"], got["monitor"], got["control"])
+                control.append(c_step / t_step)
+                fast_control.append(c_fast / t_fast)
                 step_ratios.append(d_step / t_step)
                 peak_ratios.append(d_peak / t_peak)
                 monitor_ratios.append(m_step / t_step)
                 fast_ratios.append(d_fast / t_fast)
                 fast_monitor.append(m_fast / t_fast)
                 print(f"{strategy} round {i + 1}: train {t_step * 1e3:.1f} ms {t_peak:.3f} GiB; doctor "
-                      f"{d_step * 1e3:.1f} ms {d_peak:.3f} GiB; train --monitor {m_step * 1e3:.1f} ms",
+                      f"{d_step * 1e3:.1f} ms {d_peak:.3f} GiB; train --monitor {m_step * 1e3:.1f} ms; train again "
+                      f"{c_step * 1e3:.1f} ms",
                       file=sys.stderr, flush=True)
             rows.append((strategy, *(statistics.median(v) for v in (step_ratios, fast_ratios, peak_ratios,
-                                                                   monitor_ratios, fast_monitor))))
+                                                                   monitor_ratios, fast_monitor, control,
+                                                                   fast_control))))
     print(f"{' '.join(RUN)}; {WARMUP} warm-up + {opts.steps} steps, {opts.rounds} rounds alternating (median ratio)")
     print(f"{'strategy':<10} {'step doctor/train':>18} {'fastest':>8} {'peak doctor/train':>18} "
-          f"{'step monitor/train':>19} {'fastest':>8}")
-    for strategy, step, fast, peak, monitor, fast_mon in rows:
-        print(f"{strategy:<10} {step:>18.3f} {fast:>8.3f} {peak:>18.3f} {monitor:>19.3f} {fast_mon:>8.3f}")
+          f"{'step monitor/train':>19} {'fastest':>8} {'control train/train':>20} {'fastest':>8}")
+    for strategy, step, fast, peak, monitor, fast_mon, ctrl, fast_ctrl in rows:
+        print(f"{strategy:<10} {step:>18.3f} {fast:>8.3f} {peak:>18.3f} {monitor:>19.3f} {fast_mon:>8.3f} "
+              f"{ctrl:>20.3f} {fast_ctrl:>8.3f}")
     print("target: doctor 1.00 +- 0.05, monitor <= 1.02")
 
 

@@ -2,8 +2,10 @@
 measurement (two ranks minus one rank), side by side, round by round, in one process group.
 
 Each round times, on the same pre-staged batch: the full DDP step on both ranks; the same step with the
-gradient sync skipped (the doctor's probe, counterfactual.run_probes); and the single-device step on rank 0
-alone while rank 1 waits in a barrier. Prints one JSON line on rank 0.
+gradient sync skipped and each rank alone in turn (the doctor's probes, counterfactual.run_probes); and,
+independently of the doctor's code, the single-device step of a one-rank Trainer on rank 0 while rank 1 waits
+in a barrier. Then the fault: the doctor's probes again with an alone probe that skips nothing (every rank
+runs the full DDP step at once). Prints one JSON line on rank 0.
 """
 
 import json
@@ -13,7 +15,8 @@ import sys
 import torch.distributed as dist
 
 from paratrain.config import load_config
-from paratrain.doctor.counterfactual import counterfactual_costs, probe_step, run_probes
+from paratrain.doctor import counterfactual
+from paratrain.doctor.counterfactual import communication_split, counterfactual_costs, probe_step, run_probes
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
@@ -32,8 +35,10 @@ def main() -> None:
     one_cfg = load_config(None, {**LARGE, "strategy": "single", "nproc": 1, "global_batch": 1})
     one = Trainer(one_cfg, rt, quiet=True, layout=resolve_layout(one_cfg, 1)) if rt.rank == 0 else None
     one_staged = [mb.to(rt.device) for mb in one.source.next_step()] if one else None
-    two_s, one_s, cf_s, no_sync_s = [], [], [], []
-    for _ in range(rounds):
+    two_s, one_s, cf_s, no_sync_s, sync_s, alone_s, broken_s = [], [], [], [], [], [], []
+    honest = counterfactual.alone_in_turn
+    staged_s = []
+    for i in range(rounds):
         two_s.append(probe_step(ddp, staged)["step_s"])
         if one is not None:
             one_s.append(probe_step(one, one_staged)["step_s"])
@@ -41,8 +46,21 @@ def main() -> None:
         probes = run_probes(ddp, staged, 1)
         cf_s.append(counterfactual_costs(probes, probes["staged_s"])["communication"])
         no_sync_s.append(probes["no_grad_sync_s"])
+        alone_s.append(probes["alone_s"])
+        staged_s.append(probes["staged_s"])
+        sync_s.append(communication_split(probes)["sync_s"])
+        if i >= 3:
+            continue
+        # the fault (three rounds of it): an "alone" probe that removes nothing
+        counterfactual.alone_in_turn = lambda trainer, mb: probe_step(trainer, mb)
+        try:
+            broken = run_probes(ddp, staged, 1)
+        finally:
+            counterfactual.alone_in_turn = honest
+        broken_s.append(counterfactual_costs(broken, broken["staged_s"])["communication"])
     if rt.rank == 0:
         print(json.dumps({"two_s": two_s, "one_s": one_s, "cf_s": cf_s, "no_sync_s": no_sync_s,
+                          "alone_s": alone_s, "sync_s": sync_s, "broken_s": broken_s, "staged_s": staged_s,
                           "pid": os.getpid()}), flush=True)
     shutdown()
 

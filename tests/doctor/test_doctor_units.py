@@ -231,3 +231,33 @@ def test_communication_is_graded_by_its_counterfactual_cost_not_only_exposure():
     # without the probe the same run is graded by exposure alone: below the floor, no finding
     bare = context([capture(rank, comm=0.002) for rank in (0, 1)], strategy="ddp")
     assert all(f.cause != "communication" for f in diagnose(bare))
+
+
+def test_alone_probe_splits_running_distributed_into_sync_and_peer_contention():
+    # full step 100 ms; without the sync 77 ms (sync 23 ms on forward+backward); alone 60 ms: running distributed
+    # costs 40 ms, 17 ms of it peer-rank contention; the finding is ranked by the 40 ms
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+              "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057, "alone_s": 0.06}
+    ctx = context([{**capture(rank, comm=0.002), "probes": probes} for rank in (0, 1)], strategy="ddp")
+    assert ctx.analysis["counterfactual"]["seconds"]["communication"] == pytest.approx(0.04)
+    split = ctx.analysis["counterfactual"]["communication_split"]
+    assert split == pytest.approx({"sync_s": 0.023, "contention_s": 0.017, "distributed_s": 0.04})
+    comm = next(f for f in diagnose(ctx) if f.cause == "communication")
+    assert comm.score == pytest.approx(0.4) and comm.numbers["contention_ms"] == pytest.approx(17)
+    assert "one rank alone" in comm.evidence and "contention" in comm.evidence
+
+
+def test_configured_dp_batch_split_is_not_a_straggler():
+    # rank 0 reads 3 sequences per step, rank 1 one: 3x the compute is the configured split, not a straggler
+    heavy = capture(0, iteration=0.3, fwd=0.09, bwd=0.15, opt=0.06, busy_fb=0.21, busy_opt=0.06, ops_fb=300)
+    caps = [heavy, capture(1)]
+    even = context(caps, strategy="ddp")
+    assert top(diagnose(even)) == "allocation"  # the fault: the same times with an even split are a straggler
+    split = context(caps, strategy="ddp")
+    split.layout = Layout(dp_replicate=2, micro_batch=2, dp_micro_batches=(3, 1))
+    assert all(f.cause != "allocation" for f in diagnose(split))
+    # per sequence, rank 1 is now 3x slower: that is a straggler, and the finding names the split
+    split.analysis = breakdown([capture(0), capture(1, iteration=0.3, fwd=0.09, bwd=0.15, opt=0.06, busy_fb=0.21,
+                                                       busy_opt=0.06, ops_fb=300)])
+    found = next(f for f in diagnose(split) if f.cause == "allocation")
+    assert "--dp-batch-split" in found.evidence and found.numbers["sequences_per_rank"] == [3, 1]

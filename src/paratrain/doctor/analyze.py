@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 
-from paratrain.doctor.counterfactual import counterfactual_costs
+from paratrain.doctor.counterfactual import communication_split, counterfactual_costs
 
 MATH_CEILING = 10.0
 PHASES = ("forward", "backward", "optimizer", "loss_sync")
@@ -105,11 +105,14 @@ def rank_breakdown(capture: dict) -> dict:
     from_comm = min(comm, expected)
     from_host = min(host, expected - from_comm)
     comm, host, bubble_s = comm - from_comm, host - from_host, from_comm + from_host
-    other = max(0.0, iteration - step_time) + max(0.0, step_time - data - phases)
+    # the step as `train` times it (metrics.jsonl step_time_s: data wait + the step); the work between steps
+    # (the metrics line, the loop) is reported apart, as between_steps_s, and is not in the step time
+    other = max(0.0, step_time - data - phases)
     seconds = {"compute": compute, "communication_exposed": comm, "data_wait": data, "host_overhead": host,
                "bubble": bubble_s, "other": other}
     return {"rank": capture["rank"], "seconds": seconds, "step_time_s": sum(seconds.values()),
-            "measured_step_time_s": iteration, "profiler_overhead_s": split["profiler_cost"],
+            "measured_step_time_s": step_time, "between_steps_s": max(0.0, iteration - step_time),
+            "profiler_overhead_s": split["profiler_cost"],
             "profiled_phases_s": _phases(capture.get("profiled_steps") or steps),
             "phases_s": {k: _mean(steps, f"{k}_s") for k in PHASES},
             "ops_per_step": split["ops"], "op_cost_s": split["op_s"],
@@ -127,5 +130,11 @@ def breakdown(captures: list[dict]) -> dict:
     cf_seconds = {k: statistics.fmean(c[k] for c in costs) for k in sorted(causes)}
     counterfactual = {"seconds": cf_seconds, "fractions": {k: v / step if step > 0 else 0.0
                                                            for k, v in cf_seconds.items()}}
+    splits = [communication_split(c.get("probes")) for c in captures]
+    if splits and all(s is not None for s in splits):
+        # mean over ranks of the sync, the peer contention and their sum (None where no alone probe ran)
+        counterfactual["communication_split"] = {
+            k: (None if any(s[k] is None for s in splits) else statistics.fmean(s[k] for s in splits))
+            for k in splits[0]}
     return {"fractions": fractions, "seconds": seconds, "step_time_s": step, "per_rank": per_rank,
             "counterfactual": counterfactual}

@@ -7,6 +7,11 @@ the machine's load hits every variant alike (the fastest round of each counts):
     staged        the full step on data already on the device
     no_grad_sync  the gradient all-reduce skipped (DDP's no_sync); only where the layout is plain DDP
     no_optimizer  clipping and the optimizer step skipped
+    alone         each rank in turn runs the step with no collective at all (the DDP-wrapped module itself,
+                  the loss not reduced) while its peers wait in a barrier: the step as on one rank. Only for
+                  plain DDP. full - alone is what running distributed costs this rank: the gradient sync
+                  (full - no_grad_sync) plus the slowdown its peer ranks cause by computing at the same time
+                  on shared cores or memory bandwidth (no_grad_sync - alone)
 Probe steps change the parameters; doctor keeps no checkpoint, so nothing of them outlives the run.
 """
 
@@ -16,6 +21,7 @@ import contextlib
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def grad_sync_removable(trainer) -> bool:
@@ -56,6 +62,44 @@ def probe_step(trainer, micro_batches, sync: bool = True, optimizer: bool = True
     return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
 
 
+def alone_step(trainer, micro_batches) -> dict:
+    """probe_step on the module inside DDP: no gradient sync, no buffer broadcast, the loss not reduced
+    (clipping and the optimizer are local under plain DDP). The peers must not run a collective meanwhile."""
+    runner = trainer.step_runner
+    device = trainer.rt.device
+    ddp = runner.model
+    runner.model = ddp.module
+    try:
+        t0 = _now(device)
+        for opt in trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
+        local = runner.forward_backward(micro_batches)
+        t1 = _now(device)
+        trainer.optimizer_step()
+        t2 = _now(device)
+        float(local.item())
+        t3 = _now(device)
+    finally:
+        runner.model = ddp
+    return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
+
+
+def alone_in_turn(trainer, micro_batches) -> dict:
+    """Every rank runs alone_step in turn, rank by rank, the others waiting in a barrier; this rank's times."""
+    mine = None
+    for rank in range(dist.get_world_size()):
+        if rank == dist.get_rank():
+            mine = alone_step(trainer, micro_batches)
+        dist.barrier()
+    return mine
+
+
+def alone_removable(trainer) -> bool:
+    """True where the step can run on one rank alone: plain DDP over a single model (PlainStep)."""
+    return grad_sync_removable(trainer) and len(trainer.step_runner.model_parts) == 1 and \
+        hasattr(trainer.step_runner.model, "module") and dist.is_initialized()
+
+
 def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
     """Fastest seconds per variant and part over `rounds` interleaved rounds (after one untimed step);
     None if rounds < 1."""
@@ -64,13 +108,20 @@ def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
     variants = {"staged": {}, "no_optimizer": {"optimizer": False}}
     if grad_sync_removable(trainer):
         variants["no_grad_sync"] = {"sync": False}
+    alone = alone_removable(trainer)
     phase_timer, trainer.phase_timer = trainer.phase_timer, None
     try:
         probe_step(trainer, micro_batches)
+        if alone:
+            alone_in_turn(trainer, micro_batches)  # untimed: the module's first step outside DDP
         times: dict[str, list[dict]] = {name: [] for name in variants}
+        if alone:
+            times["alone"] = []
         for _ in range(rounds):
             for name, kwargs in variants.items():
                 times[name].append(probe_step(trainer, micro_batches, **kwargs))
+            if alone:
+                times["alone"].append(alone_in_turn(trainer, micro_batches))
     finally:
         trainer.phase_timer = phase_timer
     out: dict = {"rounds": rounds}
@@ -94,7 +145,21 @@ def counterfactual_costs(probes: dict | None, measured_step_s: float) -> dict:
     staged = probes["staged_s"]
     costs = {"data_loading": max(0.0, measured_step_s - staged),
              "optimizer": max(0.0, staged - probes["no_optimizer_s"])}
-    if probes.get("no_grad_sync_forward_backward_s") is not None:
-        costs["communication"] = max(0.0, probes["staged_forward_backward_s"] -
-                                     probes["no_grad_sync_forward_backward_s"])
+    split = communication_split(probes)
+    if split is not None:
+        # ranked by what running distributed costs where the alone probe ran, else by the sync alone
+        costs["communication"] = split["distributed_s"] if split["distributed_s"] is not None else split["sync_s"]
     return costs
+
+
+def communication_split(probes: dict | None) -> dict | None:
+    """{"sync_s", "contention_s", "distributed_s"}: the gradient sync (full - no_grad_sync, on forward+backward),
+    the peer ranks' contention (the rest of full - alone) and their sum, full - alone (whole steps: contention
+    slows the optimizer too). The last two are None without the alone probe; None without the no_sync probe."""
+    if not probes or probes.get("no_grad_sync_forward_backward_s") is None:
+        return None
+    sync = max(0.0, probes["staged_forward_backward_s"] - probes["no_grad_sync_forward_backward_s"])
+    if probes.get("alone_s") is None:
+        return {"sync_s": sync, "contention_s": None, "distributed_s": None}
+    distributed = max(0.0, probes["staged_s"] - probes["alone_s"])
+    return {"sync_s": sync, "contention_s": max(0.0, distributed - sync), "distributed_s": distributed}

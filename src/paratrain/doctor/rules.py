@@ -213,7 +213,13 @@ def check_communication(ctx: Context) -> Finding | None:
     nbytes = comm.get("total_bytes")
     by_op = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in (comm.get("bytes_by_op") or {}).items() if v >= 2**10)
     evidence = f"collectives left the step waiting {_ms(exposed)} ({share:.0%} of the {ctx.step_ms:.1f} ms step)"
-    if cost is not None:
+    split = (ctx.analysis.get("counterfactual") or {}).get("communication_split") or {}
+    if cost is not None and split.get("distributed_s") is not None:
+        evidence += (f"; the same step on one rank alone (the peers waiting) is {_ms(split['distributed_s'])} "
+                     f"shorter: running distributed costs {cost:.0%} of the step, the gradient sync itself "
+                     f"{_ms(split['sync_s'])} (skipping it with DDP no_sync) plus {_ms(split['contention_s'])} "
+                     f"of peer-rank contention (ranks computing at once on shared cores or memory bandwidth)")
+    elif cost is not None:
         evidence += (f"; skipping the gradient sync (DDP no_sync) makes the step {_ms(ctx.cost_s('communication'))} "
                      f"shorter: communication costs {cost:.0%} of the step")
     if nbytes:
@@ -238,7 +244,8 @@ def check_communication(ctx: Context) -> Finding | None:
     return Finding("communication", severity, at_stake, evidence, fix,
                    {"exposed_fraction": share, "exposed_ms": exposed * 1e3, "bytes_per_step": nbytes,
                     "counterfactual_fraction": cost,
-                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3})
+                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3,
+                    **{f"{k[:-2]}_ms": (None if v is None else v * 1e3) for k, v in split.items()}})
 
 
 # -- 6. resource allocation and scheduling ---------------------------------------------------------------------------
@@ -278,17 +285,34 @@ def check_allocation(ctx: Context) -> Finding | None:
                 "raise --microbatches (>= 4 x pp) or use --pp-schedule interleaved-1f1b with --virtual-stages 2",
                 {"bubble_fraction": ctx.fractions["bubble"]}))
     computes = [r["seconds"]["compute"] for r in ctx.analysis["per_rank"]]
-    if len(computes) > 1 and min(computes) > 0 and max(computes) / min(computes) > 1.5:
-        spread = 1 - min(computes) / max(computes)
-        slow = max(ctx.analysis["per_rank"], key=lambda r: r["seconds"]["compute"])["rank"]
+    # under --dp-batch-split the ranks are loaded unevenly on purpose: compare compute per sequence instead
+    shares = _sequences_per_rank(ctx)
+    per_unit = [c / n for c, n in zip(computes, shares)] if shares else computes
+    if len(per_unit) > 1 and min(per_unit) > 0 and max(per_unit) / min(per_unit) > 1.5:
+        spread = 1 - min(per_unit) / max(per_unit)
+        slow = ctx.analysis["per_rank"][per_unit.index(max(per_unit))]["rank"]
+        what = (f"compute per sequence ranges {_ms(min(per_unit))} .. {_ms(max(per_unit))} under the configured "
+                f"--dp-batch-split (sequences per rank {shares})" if shares else
+                f"compute per step ranges {_ms(min(computes))} .. {_ms(max(computes))}")
         candidates.append(Finding(
             "allocation", "medium", spread * 0.5,
-            f"ranks are unevenly loaded: compute per step ranges {_ms(min(computes))} .. {_ms(max(computes))} "
-            f"(rank {slow} slowest); the others wait for it in every collective",
+            f"ranks are unevenly loaded: {what} (rank {slow} slowest); the others wait for it in every collective",
             "check for other jobs on the straggler's cores/GPU, and give every rank the same share of devices "
-            "and threads (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)", {"compute_s_per_rank": computes}))
+            "and threads (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)" + (
+                "; or re-weight --dp-batch-split by each rank's speed" if shares else ""),
+            {"compute_s_per_rank": computes, **({"sequences_per_rank": shares} if shares else {})}))
     candidates.extend(_gpu_allocation(ctx))
     return sort_findings(candidates)[0] if candidates else None
+
+
+def _sequences_per_rank(ctx: Context) -> list[int] | None:
+    """Each captured rank's sequences per step under --dp-batch-split; None when the split is even."""
+    from paratrain.parallel.uneven import dp_shares
+
+    shares = dp_shares(ctx.layout) if getattr(ctx.layout, "dp_micro_batches", None) else ()
+    if not shares:
+        return None
+    return [shares[ctx.layout.dp_rank(r["rank"])] for r in ctx.analysis["per_rank"]]
 
 
 def _gpu_allocation(ctx: Context) -> list[Finding]:
