@@ -247,7 +247,7 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": opt_trace.ops["opt"]}
 
     log.dtensor = set() if key.tp > 1 else None
-    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
         params = [p for p in model.parameters() if p.requires_grad]
 

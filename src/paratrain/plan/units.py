@@ -105,7 +105,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
         if state["phase"] and len(flat[state["phase"]]) > before:
             ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
 
-    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
                                   loss_parallel=key.loss_parallel)
         groups = _unit_of_params(model)
