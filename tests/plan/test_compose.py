@@ -106,3 +106,26 @@ def test_ring_middle_steps_traced_once_match_the_whole_ring(monkeypatch, ac):
     assert once[:3] == walked[:3]
     assert once[3] < walked[3]  # fewer ops recorded: the middle steps were traced once
     assert sum(1 for k, *_ in walked[2]["block/fwd"] if k == "p2p") == 7  # one K/V hop per step but the last
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_optimizer_at_two_blocks_derived_equals_traced(monkeypatch, device_type):
+    """A part's optimizer step at 2 blocks is derived (the part at 1 block + a middle part's 1 -> 2 blocks):
+    the same state bytes, peak and op totals as tracing it; a broken derivation (one block too few) differs."""
+    from paratrain.plan import trace as tr
+
+    monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
+    cost = lambda kind, f, b, d: 1e-5 + b / 1e12 + f / 1e14  # noqa: E731 - a fixed overhead exposes op counts
+
+    def op_total(one):
+        return sum(n * cost(kind, f, b, d) for kind, f, b, n, d in one.ops["opt"])
+
+    for part in ("whole", "first", "last"):
+        got = tr.trace_optimizer(TINY, part, 2, device_type, 2)
+        want = tr._trace_optimizer(TINY, part, 2, device_type, 2)
+        assert (got.params, got.optimizer, got.grads) == (want.params, want.optimizer, want.grads)
+        assert got.phases["optimizer"] == want.phases["optimizer"]
+        assert op_total(got) == pytest.approx(op_total(want), rel=1e-9)
+        one = tr.trace_optimizer(TINY, part, 2, device_type, 1)
+        wrong = tr._plus_one_block(one, one, one)  # adds no block: must not pass for two
+        assert wrong.optimizer != want.optimizer and wrong.phases["optimizer"] != want.phases["optimizer"]
