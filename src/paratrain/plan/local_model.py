@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -31,20 +32,31 @@ class CommLog:
     in_comm: bool = False  # ops run while True simulate communication, not compute
     phase: str = "fwd"  # set by the tracer: which pass is running now
     op_weight: int = 1  # ops run now stand for this many identical ones (a loop traced once)
-    dtensor: set | None = None  # storages that would be DTensors under TP (their ops pay DTensor dispatch)
+    dtensor: dict | None = None  # id -> weakref of the storages that would be DTensors under TP (ops on them
+    # pay DTensor dispatch)
     unit: str = "pre"  # the model unit running now (units.py): pre | block | head
     by_unit: dict = field(default_factory=dict)  # "unit/fwd|bwd" -> collectives issued there
 
     def tag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
-            self.dtensor.add(id(t.untyped_storage()))
+            st = t.untyped_storage()
+            self.dtensor[id(st)] = weakref.ref(st)
 
     def untag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
-            self.dtensor.discard(id(t.untyped_storage()))
+            self.dtensor.pop(id(t.untyped_storage()), None)
 
     def is_dtensor(self, tensors) -> bool:
-        return self.dtensor is not None and any(id(t.untyped_storage()) in self.dtensor for t in tensors)
+        """Whether any of `tensors` lives in a tagged storage (the very storage: an id is reused once its
+        storage dies, so a dead entry never tags the newcomer)."""
+        if self.dtensor is None:
+            return False
+        for t in tensors:
+            st = t.untyped_storage()
+            ref = self.dtensor.get(id(st))
+            if ref is not None and ref() is st:
+                return True
+        return False
 
     def add(self, kind: str, nbytes: int, group: str, mirrored: bool = False) -> None:
         """Log a collective issued now; `mirrored` ones are the backward twin of a forward collective, logged

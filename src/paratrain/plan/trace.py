@@ -233,7 +233,7 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
     state = {"phase": None}
     log = CommLog()
-    log.dtensor = set() if tp > 1 else None
+    log.dtensor = {} if tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(args, layers, part, tp, False, 1, "ring", "none", log)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -280,7 +280,7 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     state = {"phase": None}
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": opt_trace.ops["opt"]}
 
-    log.dtensor = set() if key.tp > 1 else None
+    log.dtensor = {} if key.tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
         params = [p for p in model.parameters() if p.requires_grad]
