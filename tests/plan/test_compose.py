@@ -83,3 +83,49 @@ def test_cache_stays_out_of_the_repository(monkeypatch, tmp_path):
     monkeypatch.delenv("PARATRAIN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert trace_cache.cache_dir() == tmp_path / "paratrain" / "traces"
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_ring_middle_steps_traced_once_match_the_whole_ring(monkeypatch, ac):
+    """Ring attention at cp=8 on a simulated ring of 3 (its middle step weighted cp - 2 = 6 times) records the
+    same memory, op totals and collectives as walking all 8 steps; and the weighting is what makes it so."""
+    from paratrain.plan import local_model
+
+    monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
+    key = units.UnitKey(args=TINY, seq_len=128, cp=8, cp_impl="ring", ac=ac)
+
+    def summary(ut):
+        ops = {k: (sum(o[3] for o in v), sum(o[1] * o[3] for o in v), sum(o[2] * o[3] for o in v))
+               for k, v in ut.ops.items()}
+        comm = {k: sorted(v) for k, v in ut.comm.items()}
+        return ut.segments, ops, comm, len(ut.ops["block/fwd"])
+
+    once = summary(units.trace_units(key))
+    monkeypatch.setattr(local_model._RingSteps, "size", 10**6)  # no ring is that large: every step walked
+    walked = summary(units.trace_units(key))
+    assert once[:3] == walked[:3]
+    assert once[3] < walked[3]  # fewer ops recorded: the middle steps were traced once
+    assert sum(1 for k, *_ in walked[2]["block/fwd"] if k == "p2p") == 7  # one K/V hop per step but the last
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_optimizer_at_two_blocks_derived_equals_traced(monkeypatch, device_type):
+    """A part's optimizer step at 2 blocks is derived (the part at 1 block + a middle part's 1 -> 2 blocks):
+    the same state bytes, peak and op totals as tracing it; a broken derivation (one block too few) differs."""
+    from paratrain.plan import trace as tr
+
+    monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
+    cost = lambda kind, f, b, d: 1e-5 + b / 1e12 + f / 1e14  # noqa: E731 - a fixed overhead exposes op counts
+
+    def op_total(one):
+        return sum(n * cost(kind, f, b, d) for kind, f, b, n, d in one.ops["opt"])
+
+    for part in ("whole", "first", "last"):
+        got = tr.trace_optimizer(TINY, part, 2, device_type, 2)
+        want = tr._trace_optimizer(TINY, part, 2, device_type, 2)
+        assert (got.params, got.optimizer, got.grads) == (want.params, want.optimizer, want.grads)
+        assert got.phases["optimizer"] == want.phases["optimizer"]
+        assert op_total(got) == pytest.approx(op_total(want), rel=1e-9)
+        one = tr.trace_optimizer(TINY, part, 2, device_type, 1)
+        wrong = tr._plus_one_block(one, one, one)  # adds no block: must not pass for two
+        assert wrong.optimizer != want.optimizer and wrong.phases["optimizer"] != want.phases["optimizer"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -31,20 +32,31 @@ class CommLog:
     in_comm: bool = False  # ops run while True simulate communication, not compute
     phase: str = "fwd"  # set by the tracer: which pass is running now
     op_weight: int = 1  # ops run now stand for this many identical ones (a loop traced once)
-    dtensor: set | None = None  # storages that would be DTensors under TP (their ops pay DTensor dispatch)
+    dtensor: dict | None = None  # id -> weakref of the storages that would be DTensors under TP (ops on them
+    # pay DTensor dispatch)
     unit: str = "pre"  # the model unit running now (units.py): pre | block | head
     by_unit: dict = field(default_factory=dict)  # "unit/fwd|bwd" -> collectives issued there
 
     def tag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
-            self.dtensor.add(id(t.untyped_storage()))
+            st = t.untyped_storage()
+            self.dtensor[id(st)] = weakref.ref(st)
 
     def untag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
-            self.dtensor.discard(id(t.untyped_storage()))
+            self.dtensor.pop(id(t.untyped_storage()), None)
 
     def is_dtensor(self, tensors) -> bool:
-        return self.dtensor is not None and any(id(t.untyped_storage()) in self.dtensor for t in tensors)
+        """Whether any of `tensors` lives in a tagged storage (the very storage: an id is reused once its
+        storage dies, so a dead entry never tags the newcomer)."""
+        if self.dtensor is None:
+            return False
+        for t in tensors:
+            st = t.untyped_storage()
+            ref = self.dtensor.get(id(st))
+            if ref is not None and ref() is st:
+                return True
+        return False
 
     def add(self, kind: str, nbytes: int, group: str, mirrored: bool = False) -> None:
         """Log a collective issued now; `mirrored` ones are the backward twin of a forward collective, logged
@@ -255,15 +267,42 @@ class _SimRing:
     size = 1
     rank = 0
     log: CommLog | None = None
+    steps: _RingSteps | None = None
+    kv_tag: int = 0
 
     def __init__(self, group):
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
     def shift(self, tensor: torch.Tensor, tag: int):
+        if self.steps is not None and tag == self.kv_tag:
+            # a K/V shift opens the next ring step (the forward and backward post it first): weigh from here
+            self.steps.enter(self.steps.following())
         recv = torch.empty_like(tensor)
         if self.log is not None:
-            self.log.add("p2p", _nbytes(tensor), "cp")
+            for _ in range(self.steps.weight if self.steps is not None else 1):
+                self.log.add("p2p", _nbytes(tensor), "cp")
         return recv, []
+
+
+class _RingSteps:
+    """Ring attention on a simulated ring of 3 standing for one of `cp` > 3: its steps 1 .. cp-2 are alike
+    (rank 0 holds a K/V block from a later rank: the same shapes, unmasked, the same shifts), so the one
+    middle step is traced and its ops, collectives and row tiles weighted cp - 2 times."""
+
+    size = 3
+
+    def __init__(self, cp: int, log: CommLog):
+        self.cp, self.log = cp, log
+        self.last: int | None = None  # the ring step running now (None: before the first call)
+        self.weight = 1
+
+    def following(self) -> int:
+        return 0 if self.last is None or self.last == self.size - 1 else self.last + 1
+
+    def enter(self, step: int) -> None:
+        self.last = step
+        self.weight = self.cp - 2 if step == 1 else 1
+        self.log.op_weight = self.weight
 
 
 class _SimDist:
@@ -280,32 +319,49 @@ class _SimDist:
 
 
 @contextlib.contextmanager
-def simulated_cp(cp: int, log: CommLog):
-    """Run the real ring / Ulysses code against a simulated cp group (module globals patched, restored)."""
+def simulated_cp(cp: int, log: CommLog, ac: str = "none"):
+    """Run the real ring / Ulysses code against a simulated cp group (module globals patched, restored).
+    Ring attention's alike middle steps are traced once and weighted (_RingSteps), except under selective
+    AC: its policy saves each step's matmul outputs for the backward, so the live bytes grow with every
+    step and the whole ring is walked."""
     from paratrain.parallel import ring_attention, ulysses
 
-    ring_cls = type("SimRing", (_SimRing,), {"size": cp, "rank": 0, "log": log})
+    steps = _RingSteps(cp, log) if cp > _RingSteps.size and ac != "selective" else None
+    ring_cls = type("SimRing", (_SimRing,), {"size": steps.size if steps else cp, "rank": 0, "log": log,
+                                             "steps": steps, "kv_tag": getattr(ring_attention, "_KV_TAG", 0)})
     row_tiles = getattr(ring_attention, "_row_tiles", None)
+    block_region = ring_attention._block_region
+
+    def step_weight() -> int:
+        return steps.weight if steps is not None else 1
 
     def first_tile_only(*args):
         # the tiles of one block are alike: trace the first and count its ops once per tile
         tiles = list(row_tiles(*args))
         if not tiles:
             return
-        log.op_weight = len(tiles)
+        log.op_weight = len(tiles) * step_weight()
         try:
             yield tiles[0]
         finally:
-            log.op_weight = 1
+            log.op_weight = step_weight()
 
-    saved = ring_attention._Ring, ulysses.dist, row_tiles
+    def weighted_region(step, rank, size, c):
+        steps.enter(step)  # the last step posts no K/V shift: its region opens it
+        return block_region(step, rank, size, c)
+
+    saved = ring_attention._Ring, ulysses.dist, row_tiles, block_region
     ring_attention._Ring, ulysses.dist = ring_cls, _SimDist(cp, log)
     if row_tiles is not None:
         ring_attention._row_tiles = first_tile_only
+    if steps is not None:
+        ring_attention._block_region = weighted_region
     try:
         yield
     finally:
         ring_attention._Ring, ulysses.dist = saved[:2]
+        ring_attention._block_region = block_region
+        log.op_weight = 1
         if row_tiles is not None:
             ring_attention._row_tiles = row_tiles
 

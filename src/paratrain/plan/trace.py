@@ -177,8 +177,42 @@ def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layer
     parameter shapes, so every layout with the same TP split shares it (cached on disk too)."""
     from paratrain.plan.trace_cache import cached
 
+    if layers == 2 and part != "middle":
+        # a second block adds the same tensors to every part: this part at 1 block plus a middle part's step
+        # from 1 to 2 blocks (the planner's two depths: 4 parts cost 5 traces per TP degree, not 8)
+        derived = _plus_one_block(trace_optimizer(args, part, tp, device_type, 1),
+                                  trace_optimizer(args, "middle", tp, device_type, 1),
+                                  trace_optimizer(args, "middle", tp, device_type, 2))
+        if derived is not None:
+            return derived
     key = {"args": args, "part": part, "tp": tp, "device_type": device_type, "layers": layers}
     return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers), _decode_one)
+
+
+def _plus_one_block(base: OneTrace, lo: OneTrace, hi: OneTrace) -> OneTrace | None:
+    """base + (hi - lo): bytes, peaks and op totals are sums over the parameter tensors, so one block's worth
+    carries from one part to another. An op entry (kind, flops, bytes, count, dtensor) holds per-op averages
+    (a CPU foreach op is `count` per-tensor kernels), so totals are added and averaged again. None when the op
+    lists do not line up (then the part is traced)."""
+    a, b, c = base.ops["opt"], lo.ops["opt"], hi.ops["opt"]
+    if not (len(a) == len(b) == len(c)) or any(
+            x[0] != y[0] or y[0] != z[0] or x[4] != y[4] or y[4] != z[4] for x, y, z in zip(a, b, c)):
+        return None
+    ops = []
+    for (kind, fa, ba, na, dt), (_, fb, bb, nb, _), (_, fc, bc, nc, _) in zip(a, b, c):
+        n = na + nc - nb
+        if n <= 0:
+            return None
+        ops.append((kind, (fa * na + fc * nc - fb * nb) / n, (ba * na + bc * nc - bb * nb) / n, n, dt))
+    out = OneTrace(layers=base.layers + hi.layers - lo.layers)
+    for name in ("params", "optimizer", "grads", "param_count", "param_tensors"):
+        setattr(out, name, getattr(base, name) + getattr(hi, name) - getattr(lo, name))
+    out.phases = {ph: PhasePeak(*(x + z - y for x, y, z in zip(base.phases[ph].astuple(), lo.phases[ph].astuple(),
+                                                                 hi.phases[ph].astuple())))
+                  for ph in base.phases}
+    out.ops = {**{k: list(v) for k, v in base.ops.items()}, "opt": ops}
+    out.comm = {k: list(v) for k, v in base.comm.items()}
+    return out
 
 
 def _decode_one(doc: dict) -> OneTrace:
@@ -199,7 +233,7 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
     state = {"phase": None}
     log = CommLog()
-    log.dtensor = set() if tp > 1 else None
+    log.dtensor = {} if tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(args, layers, part, tp, False, 1, "ring", "none", log)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -246,8 +280,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     state = {"phase": None}
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": opt_trace.ops["opt"]}
 
-    log.dtensor = set() if key.tp > 1 else None
-    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+    log.dtensor = {} if key.tp > 1 else None
+    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
         params = [p for p in model.parameters() if p.requires_grad]
 

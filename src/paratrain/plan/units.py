@@ -10,6 +10,7 @@ linear in the micro-batch, so micro-batches 1 and 2 give any other.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -90,10 +91,12 @@ def trace_units(key: UnitKey) -> UnitTrace:
     state = {"phase": None, "unit": "pre"}
     flat: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
     ops: dict[str, list] = {}
-    log.dtensor = set() if key.tp > 1 else None
+    log.dtensor = {} if key.tp > 1 else None
     record = _recorder(flat, state, log, key.device_type == "cpu")
 
-    born: dict[int, str] = {}  # storage id -> the unit whose op created it
+    # storage id -> (the storage, weakly; the unit whose op created it). An id is reused once its storage dies,
+    # so an entry only counts for the storage it was made for
+    born: dict[int, tuple] = {}
 
     def hook(func, args, kwargs, out):  # route each op to its unit's list
         before = len(flat[state["phase"]]) if state["phase"] else 0
@@ -101,11 +104,13 @@ def trace_units(key: UnitKey) -> UnitTrace:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for st in storages_of(t):
-                    born.setdefault(id(st), state["unit"])
+                    seen = born.get(id(st))
+                    if seen is None or seen[0]() is not st:
+                        born[id(st)] = (weakref.ref(st), state["unit"])
         if state["phase"] and len(flat[state["phase"]]) > before:
             ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
 
-    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log):
+    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
                                   loss_parallel=key.loss_parallel)
         groups = _unit_of_params(model)
@@ -177,7 +182,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
                     # backward): each unit's share, freed once for all blocks at the end of the forward
                     for k, nbytes in inside.items():
                         if k not in tracker._live:
-                            unit = born.get(k, "pre")
+                            unit = born.get(k, (None, "pre"))[1]
                             result.exit_freed[unit] = result.exit_freed.get(unit, 0) + nbytes
                 targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
                 loss = lm_loss(out, targets)
