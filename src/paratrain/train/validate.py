@@ -11,6 +11,7 @@ from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout
+from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data import make_dataset
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
@@ -30,6 +31,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.strategy == "auto":
         raise UserError("--strategy auto must be resolved by the planner before validation")
     args = model_args_for(cfg)
+    check_fits_machine(args, cfg.seq_len, world_size, device_type)
     if cfg.tp:  # a model tp cannot split is the root problem, whatever the world size
         check_tp_divides(args, cfg.tp)
     layout = resolve_layout(cfg, world_size)
