@@ -247,6 +247,24 @@ def test_alone_probe_splits_running_distributed_into_sync_and_peer_contention():
     assert "one rank alone" in comm.evidence and "contention" in comm.evidence
 
 
+def test_oversubscribed_cores_charge_peer_contention_to_allocation_not_communication():
+    # the same probes, but 2 ranks x 4 threads on 2 cores: the contention is the oversubscription's doing, so the
+    # communication finding is ranked by the 23 ms sync alone and the allocation finding comes first
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+              "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057, "alone_s": 0.02}
+    ctx = context([{**capture(rank, comm=0.002, threads=4, cores=2), "probes": probes} for rank in (0, 1)],
+                  strategy="ddp")
+    findings = diagnose(ctx)
+    comm = next(f for f in findings if f.cause == "communication")
+    assert comm.score == pytest.approx(0.23) and comm.numbers["counterfactual_ms"] == pytest.approx(23)
+    assert "contention" not in comm.evidence
+    assert findings[0].cause == "allocation" and findings[0].severity == "high"
+    # with enough cores the same numbers rank running distributed (80 ms) first, as communication
+    fits = context([{**capture(rank, comm=0.002, threads=1, cores=2), "probes": probes} for rank in (0, 1)],
+                   strategy="ddp")
+    assert diagnose(fits)[0].cause == "communication" and diagnose(fits)[0].score == pytest.approx(0.8)
+
+
 def test_configured_dp_batch_split_is_not_a_straggler():
     # rank 0 reads 3 sequences per step, rank 1 one: 3x the compute is the configured split, not a straggler
     heavy = capture(0, iteration=0.3, fwd=0.09, bwd=0.15, opt=0.06, busy_fb=0.21, busy_opt=0.06, ops_fb=300)

@@ -57,6 +57,13 @@ class Context:
     def cost_s(self, cause: str) -> float | None:
         return (self.analysis.get("counterfactual") or {}).get("seconds", {}).get(cause)
 
+    def oversubscription(self) -> tuple[int, int, int] | None:
+        """(threads per rank, local ranks, cores) when CPU ranks run more threads than there are cores."""
+        cap = self.captures[0]
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or self.layout.world)
+        threads, cores = cap["threads"], cap["cores"]
+        return (threads, local, cores) if self.device_type == "cpu" and threads * local > cores else None
+
 
 def by_threshold(value: float, high: float, medium: float, low: float | None = None) -> str | None:
     if value >= high:
@@ -201,7 +208,13 @@ def check_memory(ctx: Context) -> Finding | None:
 # -- 5. communication --------------------------------------------------------------------------------------------
 def check_communication(ctx: Context) -> Finding | None:
     share = ctx.fractions["communication_exposed"]
-    cost = ctx.cost("communication")
+    cost, cost_s = ctx.cost("communication"), ctx.cost_s("communication")
+    split = (ctx.analysis.get("counterfactual") or {}).get("communication_split") or {}
+    if cost is not None and split.get("distributed_s") is not None and ctx.oversubscription():
+        # peer-rank contention on oversubscribed cores is the allocation finding's cause, not communication's:
+        # rank by the gradient sync alone
+        cost_s, split = split["sync_s"], {"sync_s": split["sync_s"]}
+        cost = cost_s / (ctx.step_ms / 1e3)
     # ranked by what removing the gradient sync saves where a probe measured it: collectives that share the
     # cores (or memory bandwidth) with compute slow it down without showing as exposed waits
     at_stake = max(share, cost) if cost is not None else share
@@ -213,14 +226,13 @@ def check_communication(ctx: Context) -> Finding | None:
     nbytes = comm.get("total_bytes")
     by_op = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in (comm.get("bytes_by_op") or {}).items() if v >= 2**10)
     evidence = f"collectives left the step waiting {_ms(exposed)} ({share:.0%} of the {ctx.step_ms:.1f} ms step)"
-    split = (ctx.analysis.get("counterfactual") or {}).get("communication_split") or {}
     if cost is not None and split.get("distributed_s") is not None:
         evidence += (f"; the same step on one rank alone (the peers waiting) is {_ms(split['distributed_s'])} "
                      f"shorter: running distributed costs {cost:.0%} of the step, the gradient sync itself "
                      f"{_ms(split['sync_s'])} (skipping it with DDP no_sync) plus {_ms(split['contention_s'])} "
                      f"of peer-rank contention (ranks computing at once on shared cores or memory bandwidth)")
     elif cost is not None:
-        evidence += (f"; skipping the gradient sync (DDP no_sync) makes the step {_ms(ctx.cost_s('communication'))} "
+        evidence += (f"; skipping the gradient sync (DDP no_sync) makes the step {_ms(cost_s)} "
                      f"shorter: communication costs {cost:.0%} of the step")
     if nbytes:
         evidence += f"; {nbytes / 2**20:.1f} MiB per rank per step ({by_op})"
@@ -244,7 +256,7 @@ def check_communication(ctx: Context) -> Finding | None:
     return Finding("communication", severity, at_stake, evidence, fix,
                    {"exposed_fraction": share, "exposed_ms": exposed * 1e3, "bytes_per_step": nbytes,
                     "counterfactual_fraction": cost,
-                    "counterfactual_ms": None if cost is None else ctx.cost_s("communication") * 1e3,
+                    "counterfactual_ms": None if cost is None else cost_s * 1e3,
                     **{f"{k[:-2]}_ms": (None if v is None else v * 1e3) for k, v in split.items()}})
 
 
@@ -252,9 +264,8 @@ def check_communication(ctx: Context) -> Finding | None:
 def check_allocation(ctx: Context) -> Finding | None:
     candidates: list[Finding] = []
     cap = ctx.captures[0]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or ctx.layout.world)
-    threads, cores = cap["threads"], cap["cores"]
-    if ctx.device_type == "cpu" and threads * local > cores:
+    if over := ctx.oversubscription():
+        threads, local, cores = over
         lost = 1.0 - cores / (threads * local)
         switches = statistics_mean(c["involuntary_switches_per_step"] for c in ctx.captures)
         candidates.append(Finding(
