@@ -34,7 +34,7 @@ def worker(args: dict) -> dict | None:
     os.environ[SLOWDOWN_ENV] = f"1:{args['factor']}"
     runs = {name: Trainer(TrainConfig(**base, **overrides), rt, quiet=True) for name, overrides in args["runs"].items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, trainer in runs.items():  # warm-up: DDP builds its buckets on the first steps
+    for trainer in runs.values():  # warm-up: DDP builds its buckets on the first steps
         for _ in range(2):
             trainer.train_step(trainer.source.next_step())
     for _ in range(args["blocks"]):

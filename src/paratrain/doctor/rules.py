@@ -263,7 +263,6 @@ def check_communication(ctx: Context) -> Finding | None:
 # -- 6. resource allocation and scheduling ---------------------------------------------------------------------------
 def check_allocation(ctx: Context) -> Finding | None:
     candidates: list[Finding] = []
-    cap = ctx.captures[0]
     if over := ctx.oversubscription():
         threads, local, cores = over
         lost = 1.0 - cores / (threads * local)
