@@ -301,6 +301,31 @@ def async_tp_exposed(c: ChunkTime, layout: Layout, overlap: float) -> float:
     return first + max(0.0, c.tp_exposed - first - overlap * (c.fwd + c.bwd))
 
 
+def stage_rank_slot(profile: HardwareProfile, chunks: list[ChunkTime], transfer: float) -> float:
+    """One micro-batch's forward + backward on a pipeline stage rank (its chunks), with its hand-offs."""
+    per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)
+
+    def exposed_transfer(c: ChunkTime) -> float:
+        # on an asynchronous device a stage's send / receive of one micro-batch runs while it computes another
+        # (1F1B's steady state), so only what does not fit under that compute shows; a host-synchronous device
+        # (CPU) waits for each hand-off
+        if not profile.overhead_overlaps:
+            return transfer
+        return max(0.0, transfer - profile.overlap * min(c.fwd, c.bwd))
+
+    return sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls + 2 * exposed_transfer(c) + per_mb
+               for c in chunks)
+
+
+def slowest_and_others(per_rank: dict[int, float]) -> tuple[int, float]:
+    """The stage rank with the longest slot, which sets the pace, and the mean slot of the others: the ramp-up
+    and drain are their work on the first and last micro-batches (equal stages: (p - 1) slots, as the
+    textbook bubble)."""
+    slowest = max(per_rank, key=per_rank.get)
+    others = sum(t for r, t in per_rank.items() if r != slowest) / max(len(per_rank) - 1, 1)
+    return slowest, others
+
+
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
                   device_type: str, async_tp: bool = False, dist_optimizer: bool = False) -> TimeEstimate:
     """async_tp: TP collectives overlapped with the matmuls (torch's micro-pipelined TP, which needs compile and
@@ -351,23 +376,10 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     p2p_latency = collective_time(profile, "p2p", 1, 2, layout.placement("pp", gpn))
     transfer = max(p2p - p2p_latency, 0.0)
     ramp = 2 * (layout.pp - 1) * p2p_latency
-    per_mb = profile.framework_us.get("pp_microbatch", 0.0) * 1e-6  # the schedule's own cost (fitted, fit.py)
-    def exposed_transfer(c: ChunkTime) -> float:
-        # on an asynchronous device a stage's send / receive of one micro-batch runs while it computes another
-        # (1F1B's steady state), so only what does not fit under that compute shows; a host-synchronous device
-        # (CPU) waits for each hand-off
-        if not profile.overhead_overlaps:
-            return transfer
-        return max(0.0, transfer - profile.overlap * min(c.fwd, c.bwd))
-
-    per_rank = {r: sum(c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls + 2 * exposed_transfer(c) + per_mb
-                       for c in cs) for r, cs in ranks.items()}
+    per_rank = {r: stage_rank_slot(profile, cs, transfer) for r, cs in ranks.items()}
     slot = max(per_rank.values())
     busy, bubble = pipeline_factor(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
-    slowest = max(per_rank, key=per_rank.get)
-    # the slowest rank sets the pace; the ramp-up and drain are the other ranks' work on the first and last
-    # micro-batches (equal stages: (p - 1) slots, as the textbook bubble)
-    others = sum(t for r, t in per_rank.items() if r != slowest) / max(layout.pp - 1, 1)
+    slowest, others = slowest_and_others(per_rank)
     opt = max(sum(c.opt for c in cs) for cs in ranks.values())
     opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
     dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer)

@@ -24,7 +24,14 @@ from paratrain.plan.cluster import Cluster, Device
 from paratrain.plan.collectives import collective_time
 from paratrain.plan.memory import GIB, _from_chunks, chunk_memory, estimate_memory, in_flight, stage_layout
 from paratrain.plan.search import Candidate, Job
-from paratrain.plan.time import TimeEstimate, chunk_time, estimate_time, pipeline_factor
+from paratrain.plan.time import (
+    TimeEstimate,
+    chunk_time,
+    estimate_time,
+    pipeline_factor,
+    slowest_and_others,
+    stage_rank_slot,
+)
 
 
 @dataclass
@@ -203,15 +210,8 @@ class PipelineModel:
 
     def slot(self, layers: list[int], r: int, dev: Device, transfer: float) -> tuple[float, float]:
         """(one micro-batch's forward + backward and hand-offs on this stage rank, its optimizer step)."""
-        prof = self.cluster.profile_for(dev)
-        per_mb = prof.framework_us.get("pp_microbatch", 0.0) * 1e-6
-        total = opt = 0.0
-        for k, n in self.rank_chunks(layers, r):
-            c = self.chunk(dev, k, n)[0]
-            hidden = 0.0 if not prof.overhead_overlaps else prof.overlap * min(c.fwd, c.bwd)
-            total += c.fwd + c.bwd + c.tp_exposed + c.cp_comm + c.cp_calls + 2 * max(0.0, transfer - hidden) + per_mb
-            opt += c.opt
-        return total, opt
+        chunks = [self.chunk(dev, k, n)[0] for k, n in self.rank_chunks(layers, r)]
+        return stage_rank_slot(self.cluster.profile_for(dev), chunks, transfer), sum(c.opt for c in chunks)
 
     def split(self, layers: list[int], kind: str) -> Split:
         """Price a split as plan/time.py prices a pipeline: m slots of the slowest stage rank, a bubble of the
@@ -233,8 +233,7 @@ class PipelineModel:
                 rows.append(_device_row(self.job, self.cluster, dev, lay.microbatches * slot + opt, mem, pp_rank=r,
                                         layers=sum(n for _, n in self.rank_chunks(layers, r))))
         busy, bubble = pipeline_factor(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual_stages)
-        slowest = max(slots, key=lambda r: slots[r][0])
-        others = sum(s for r, (s, _) in slots.items() if r != slowest) / max(lay.pp - 1, 1)
+        slowest, others = slowest_and_others({r: slot for r, (slot, _) in slots.items()})
         step = busy * slots[slowest][0] + bubble * others + max(o for _, o in slots.values()) \
             + 2 * (lay.pp - 1) * latency
         if kind == "even":
