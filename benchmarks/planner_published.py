@@ -14,6 +14,12 @@ Megatron's distributed optimizer, overlapped) and `async_tp` (TP collectives und
 `framework` names the software the run used: memory errors are also printed per framework, since only
 torchtitan holds memory as paratrain's runtime does.
 
+A case whose source does not give the micro-batch (`micro_batch: null`) is predicted at the planner's own
+choice for the fixed layout, as `paratrain plan` answers when the micro-batch is left open: every valid micro-batch
+is priced and the fastest is kept (the same rule for every such case; the others are printed with it). Memory does
+not filter that choice: the memory model prices paratrain's runtime, which is not what those runs used (see the
+memory error per framework), and a published run fitted its GPUs by construction.
+
 A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
   megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
   megatron-recompute: 96 B s L h^2 (1 + s/(6h) + V/(16 L h))  (Narayanan et al. 2021, with recomputation)
@@ -52,8 +58,9 @@ def published_step_time(case: dict) -> float:
     return flops / (pub["tflops_per_gpu"] * 1e12 * case["gpus"])
 
 
-def case_job(case: dict):
-    """(Job, HardwareProfile, Layout) of a case: the catalog GPU, every degree and option fixed."""
+def case_job(case: dict, micro_batch: int | None = None):
+    """(Job, HardwareProfile, Layout) of a case: the catalog GPU, every degree and option fixed (the micro-batch
+    given here where the case leaves it open; the smallest, 1, until then)."""
     from paratrain.gpu_catalog import get_gpu
     from paratrain.models.llama import ModelArgs
     from paratrain.parallel.layout import Layout
@@ -72,25 +79,47 @@ def case_job(case: dict):
               dist_optimizer=case.get("dist_optimizer", False))
     lay = dict(case["layout"])
     dp = lay["dp_replicate"] * lay["dp_shard"]
-    layout = Layout(**lay, micro_batch=case["micro_batch"],
-                    microbatches=case["global_batch"] // dp // case["micro_batch"], ac=case["recompute"],
+    mb = case["micro_batch"] or micro_batch or 1
+    layout = Layout(**lay, micro_batch=mb, microbatches=case["global_batch"] // dp // mb, ac=case["recompute"],
                     **job.layout_options())
     if layout.world != case["gpus"]:
         raise ValueError(f"{case['id']}: the layout's degrees multiply to {layout.world}, not {case['gpus']}")
     return job, hw, layout
 
 
-def predict(case: dict) -> dict:
-    from paratrain.plan.memory import GIB
+def micro_batch_choices(case: dict) -> list[int]:
+    """The published micro-batch, or (`micro_batch: null`, not in the source) every one the planner would try
+    for the case's layout (search.micro_batch_options: divisors of the local batch; 1F1B keeps m >= pp)."""
+    from paratrain.plan.search import micro_batch_options
+
+    if case["micro_batch"]:
+        return [case["micro_batch"]]
+    job, _, layout = case_job(case)
+    return micro_batch_options(job, layout, {})
+
+
+def evaluate_case(case: dict):
+    """(candidate, {micro-batch: step seconds}) at the published micro-batch, or the planner's fastest where the
+    source gives none."""
     from paratrain.plan.search import evaluate, structural_problem
 
-    job, hw, layout = case_job(case)
-    problem = structural_problem(job, layout, hw.gpu.gpus_per_node)
-    # a published scheme paratrain's runtime cannot run is still priced, and marked (the case says why)
-    if problem and not case.get("runtime_unsupported"):
-        raise ValueError(f"{case['id']}: {problem}")
+    priced = []
+    for mb in micro_batch_choices(case):
+        job, hw, layout = case_job(case, mb)
+        problem = structural_problem(job, layout, hw.gpu.gpus_per_node)
+        # a published scheme paratrain's runtime cannot run is still priced, and marked (the case says why)
+        if problem and not case.get("runtime_unsupported"):
+            raise ValueError(f"{case['id']}: {problem}")
+        priced.append(evaluate(job, hw, layout))
+    best = min(priced, key=lambda c: c.time.step_s)
+    return best, {c.layout.micro_batch: c.time.step_s for c in priced}
+
+
+def predict(case: dict) -> dict:
+    from paratrain.plan.memory import GIB
+
     t0 = time.perf_counter()
-    cand = evaluate(job, hw, layout)
+    cand, by_micro_batch = evaluate_case(case)
     pub_step = published_step_time(case)
     tokens_per_gpu = case["global_batch"] * case["model"]["seq_len"] / case["gpus"]
     row = {"id": case["id"] + ("*" if case.get("runtime_unsupported") else ""), "gpu": case["gpu"], "gpus": case["gpus"],
@@ -100,6 +129,8 @@ def predict(case: dict) -> dict:
            "predicted_tokens_per_s_per_gpu": tokens_per_gpu / cand.time.step_s,
            "published_tokens_per_s_per_gpu": tokens_per_gpu / pub_step,
            "predicted_memory_gib": cand.memory.total / GIB, "fits": cand.feasible,
+           "micro_batch": cand.layout.micro_batch, "micro_batch_searched": not case["micro_batch"],
+           "step_s_by_micro_batch": by_micro_batch,
            "breakdown_s": {"compute": cand.time.compute_s, "comm_exposed": cand.time.comm_exposed_s,
                            "bubble": cand.time.bubble_s},
            "seconds": time.perf_counter() - t0}
@@ -132,7 +163,7 @@ def main() -> int:
             return 2
         cases = [c for c in cases if c["id"] in wanted]
     out = sys.stderr if opts.json else sys.stdout
-    out.write(f"{'case':<46} {'gpu':<9} {'GPUs':>5} {'layout':<11} {'pred s':>8} {'pub s':>8} {'err':>7} "
+    out.write(f"{'case':<46} {'gpu':<9} {'GPUs':>5} {'layout':<11} {'mb':>3} {'pred s':>8} {'pub s':>8} {'err':>7} "
               f"{'pred tok/s/GPU':>14} {'pub':>8} {'mem pred':>8} {'pub':>6} {'err':>6}\n")
     rows = []
     for case in cases:
@@ -140,7 +171,8 @@ def main() -> int:
         rows.append(r)
         mem = (f"{r['published_memory_gib']:>6.1f} {r['memory_error']:>+6.0%}" if "published_memory_gib" in r
                else f"{'-':>6} {'-':>6}")
-        out.write(f"{r['id']:<46} {r['gpu']:<9} {r['gpus']:>5} {r['kind']:<11} {r['predicted_step_s']:>8.3g} "
+        mb = f"{r['micro_batch']}{'~' if r['micro_batch_searched'] else ''}"
+        out.write(f"{r['id']:<46} {r['gpu']:<9} {r['gpus']:>5} {r['kind']:<11} {mb:>3} {r['predicted_step_s']:>8.3g} "
                   f"{r['published_step_s']:>8.3g} {r['step_error']:>+7.1%} {r['predicted_tokens_per_s_per_gpu']:>14.4g} "
                   f"{r['published_tokens_per_s_per_gpu']:>8.4g} {r['predicted_memory_gib']:>8.1f} {mem}\n")
         out.flush()
@@ -157,6 +189,13 @@ def main() -> int:
     if summary["mean_abs_memory_error_by_framework"]:
         out.write("mean |memory error| by framework (only torchtitan holds memory as paratrain's runtime does): "
                   + ", ".join(f"{k} {v:.1%}" for k, v in summary["mean_abs_memory_error_by_framework"].items()) + "\n")
+    searched = [r for r in rows if r["micro_batch_searched"]]
+    if searched:
+        out.write("~ micro-batch not in the source: the planner's fastest for the layout; all tried (micro-batch: "
+                  "predicted s):\n")
+        for r in searched:
+            out.write(f"  {r['id']:<44} " + ", ".join(f"{k}: {v:.3g}" for k, v in r["step_s_by_micro_batch"].items())
+                      + "\n")
     if any(r["id"].endswith("*") for r in rows):
         out.write("* a published scheme paratrain's runtime cannot run (the case's runtime_unsupported says why), priced as run\n")
     if opts.json:
