@@ -71,7 +71,9 @@ def case_job(case: dict, micro_batch: int | None = None):
     args = ModelArgs(name=case["id"], family=m["family"], vocab_size=m["vocab_size"], dim=m["dim"],
                      n_layers=m["layers"], n_heads=m["heads"], n_kv_heads=m.get("kv_heads"), ffn_dim=m["ffn_dim"],
                      max_seq_len=m["seq_len"], tie_embeddings=m.get("tie_embeddings", False))
-    spec = with_cluster_overrides(get_gpu(case["gpu"]), mem_gib=case.get("gpu_mem_gib"))
+    # a board variant the source describes (torchtitan's 96 GB HBM2e H100s): its stated memory size and bandwidth
+    spec = with_cluster_overrides(get_gpu(case["gpu"]), mem_gib=case.get("gpu_mem_gib"),
+                                  mem_bw_gbs=case.get("gpu_mem_bw_gbs"))
     hw = profile_from_spec(spec)
     job = Job(args=args, model_name=case["id"], gpus=case["gpus"], seq_len=m["seq_len"],
               global_batch=case["global_batch"], dtype=case.get("planner_precision", case["precision"]),

@@ -79,3 +79,18 @@ def test_distributed_optimizer_hides_only_under_the_compute_it_is_given():
     assert long == pytest.approx(expected(0.25, 0.55))
     # 16 GB of fp32 gradients over one 400 Gb/s NIC at 80% take ~0.39 s: a 0.13 s backward leaves most exposed
     assert short > 0.3 and long < 0.1
+
+
+def test_a_board_variants_stated_memory_bandwidth_prices_memory_bound_ops_and_keeps_the_peaks():
+    """torchtitan's H100s are 96 GB HBM2e boards at 2.4 TB/s: memory-bound work slows by 3.35 / 2.4, matmuls keep
+    the SXM datasheet peak."""
+    from paratrain.plan.hardware import with_cluster_overrides
+    from paratrain.plan.time import op_cost
+
+    sxm = profile_from_spec(get_gpu("h100-sxm"))
+    board = profile_from_spec(with_cluster_overrides(get_gpu("h100-sxm"), mem_gib=96, mem_bw_gbs=2400))
+    assert board.gpu.mem_gib == 96 and board.dtype_tflops == sxm.dtype_tflops
+    mem_sxm, mem_board = op_cost(sxm, "bf16", "fwd")("mem", 0.0, 1e9), op_cost(board, "bf16", "fwd")("mem", 0.0, 1e9)
+    assert mem_board / mem_sxm == pytest.approx(3350 / 2400)
+    big_mm = (1e13, 1e8)  # compute-bound: the same on both
+    assert op_cost(board, "bf16", "fwd")("mm", *big_mm) == op_cost(sxm, "bf16", "fwd")("mm", *big_mm)

@@ -109,9 +109,13 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 
 def with_cluster_overrides(spec: GPUSpec, gpus_per_node: int | None = None, intra: float | None = None,
-                           inter: float | None = None, mem_gib: float | None = None) -> GPUSpec:
+                           inter: float | None = None, mem_gib: float | None = None,
+                           mem_bw_gbs: float | None = None) -> GPUSpec:
+    """The catalog entry with the figures a cluster states for itself (a board variant's memory size and
+    bandwidth, its links); the compute peaks stay the datasheet's."""
     changes = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("intra_node_gbs", intra),
-                                 ("inter_node_gbs", inter), ("mem_gib", mem_gib)) if v is not None}
+                                 ("inter_node_gbs", inter), ("mem_gib", mem_gib), ("mem_bw_gbs", mem_bw_gbs))
+               if v is not None}
     return replace(spec, **changes) if changes else spec
 
 
