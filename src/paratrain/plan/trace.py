@@ -185,13 +185,21 @@ def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layer
                                   trace_optimizer(args, "middle", tp, device_type, 2))
         if derived is not None:
             return derived
+    if layers == 1 and part == "last" and not args.tie_embeddings:
+        # the last part holds what the whole model holds minus the embedding: whole + middle - first (a search
+        # traces the whole model first; a tied embedding is one tensor in both ends, and never pipelined)
+        derived = _plus_one_block(trace_optimizer(args, "whole", tp, device_type, 1),
+                                  trace_optimizer(args, "first", tp, device_type, 1),
+                                  trace_optimizer(args, "middle", tp, device_type, 1))
+        if derived is not None:
+            return derived
     key = {"args": args, "part": part, "tp": tp, "device_type": device_type, "layers": layers}
     return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers), _decode_one)
 
 
 def _plus_one_block(base: OneTrace, lo: OneTrace, hi: OneTrace) -> OneTrace | None:
-    """base + (hi - lo): bytes, peaks and op totals are sums over the parameter tensors, so one block's worth
-    carries from one part to another. An op entry (kind, flops, bytes, count, dtensor) holds per-op averages
+    """base + (hi - lo): bytes, peaks and op totals are sums over the parameter tensors, so what one part has
+    beyond another (a block, the head) carries to a third. An op entry (kind, flops, bytes, count, dtensor) holds per-op averages
     (a CPU foreach op is `count` per-tensor kernels), so totals are added and averaged again. None when the op
     lists do not line up (then the part is traced)."""
     a, b, c = base.ops["opt"], lo.ops["opt"], hi.ops["opt"]
