@@ -14,12 +14,17 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from paratrain.models.args import ModelArgs
 
-from paratrain.models.llama import ModelArgs
-from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
-from paratrain.plan.tracker import LiveTensorTracker
+# torch and the traced code are imported by the functions that trace: a plan answered from the trace cache
+# (compose.py reads the records below) never imports torch
+if TYPE_CHECKING:
+    import torch
+
+    from paratrain.plan.local_model import CommLog
+    from paratrain.plan.tracker import LiveTensorTracker
 
 PHASES = ("first_mb", "next_mb", "optimizer")
 # view / metadata ops: dispatcher overhead, no kernel and no memory traffic
@@ -94,6 +99,8 @@ class OneTrace:
 
 # -- op accounting -----------------------------------------------------------------------------------------------
 def _tensor_bytes(x) -> int:
+    import torch
+
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
@@ -108,6 +115,7 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: b
 
 def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
     """(kind, flops, bytes moved) of one aten op. kind: mm | attn | mem | view."""
+    import torch
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
@@ -139,6 +147,8 @@ def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
 
 # -- the tracer --------------------------------------------------------------------------------------------------
 def _stage_input(key: TraceKey, seq_local: int, dim: int):
+    import torch
+
     if key.part in ("whole", "first"):
         return torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
     # a later pipeline stage receives the previous stage's hidden states (fp32 residual stream)
@@ -149,6 +159,7 @@ def _recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = F
     """An op hook that appends (kind, flops, bytes, count, dtensor) per op to ops[state["phase"]].
     foreach_per_tensor: a `_foreach_*` op runs one kernel per tensor of its list (CPU has no multi-tensor
     kernels), so it is recorded as that many ops, each with its share of the bytes."""
+    import torch
     from torch.utils._pytree import tree_leaves
 
     def record(func, args, kwargs, out):
@@ -232,8 +243,11 @@ def _decode_one(doc: dict) -> OneTrace:
 
 
 def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from paratrain.plan.local_model import CommLog, build_local_model
+    from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.optim import build_optimizer
     from paratrain.train.step import clip_grad_norm
 
@@ -276,8 +290,11 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
 
 def trace_once(key: TraceKey, layers: int) -> OneTrace:
     """One micro-batch's forward and backward of the rank's part with `layers` blocks, plus its optimizer step."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
+    from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.step import autocast_context, lm_loss
 
     opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers)
@@ -349,6 +366,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
 def _mark_groups(model, tracker: LiveTensorTracker, result: OneTrace) -> dict:
     """Record live bytes where each FSDP parameter group (block, head) starts its forward and backward,
     while the returned switch is on."""
+    import torch
+
     switch = {"on": True}
 
     def on_grad(attr: str):
