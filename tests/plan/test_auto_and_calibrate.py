@@ -36,7 +36,8 @@ def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
 
 
 def test_auto_picks_a_runnable_layout(monkeypatch, tmp_path):
-    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))  # no saved profile: the catalog's cpu entry
+    # no saved profile: the catalog's cpu entry (the session's trace cache stays: traces other tests made are reused)
+    monkeypatch.setenv("PARATRAIN_HARDWARE", str(tmp_path / "no-profile.json"))
     cfg = TrainConfig(model="tiny", strategy="auto", nproc=2, device="cpu", seq_len=64, global_batch=8)
     resolved = resolve_auto_strategy(cfg)
     assert resolved.strategy != "auto" and resolved.nproc == 2

@@ -129,3 +129,27 @@ def test_optimizer_at_two_blocks_derived_equals_traced(monkeypatch, device_type)
         one = tr.trace_optimizer(TINY, part, 2, device_type, 1)
         wrong = tr._plus_one_block(one, one, one)  # adds no block: must not pass for two
         assert wrong.optimizer != want.optimizer and wrong.phases["optimizer"] != want.phases["optimizer"]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_last_part_optimizer_derived_equals_traced(monkeypatch, device_type, tp):
+    """The last pipeline part's optimizer step at 1 block is derived (whole + middle - first): the same state
+    bytes, peak and op totals as tracing it; swapping first and middle (a part without the head) differs."""
+    from paratrain.plan import trace as tr
+
+    monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
+    cost = lambda kind, f, b, d: 1e-5 + b / 1e12 + f / 1e14  # noqa: E731 - a fixed overhead exposes op counts
+
+    def op_total(one):
+        return sum(n * cost(kind, f, b, d) for kind, f, b, n, d in one.ops["opt"])
+
+    got = tr.trace_optimizer(TINY, "last", tp, device_type, 1)
+    want = tr._trace_optimizer(TINY, "last", tp, device_type, 1)
+    assert (got.params, got.optimizer, got.grads, got.param_count, got.param_tensors) == (
+        want.params, want.optimizer, want.grads, want.param_count, want.param_tensors)
+    assert got.phases["optimizer"] == want.phases["optimizer"]
+    assert op_total(got) == pytest.approx(op_total(want), rel=1e-9)
+    parts = {p: tr.trace_optimizer(TINY, p, tp, device_type, 1) for p in ("whole", "first", "middle")}
+    wrong = tr._plus_one_block(parts["whole"], parts["middle"], parts["first"])
+    assert wrong.optimizer != want.optimizer and wrong.phases["optimizer"] != want.phases["optimizer"]

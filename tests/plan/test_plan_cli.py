@@ -79,3 +79,36 @@ def test_custom_hardware(cli_inproc):
     assert res.returncode == 0, res.stderr
     doc = res.json()
     assert doc["cluster"]["gpu"] == "custom" and doc["cluster"]["mem_gib"] == 16 and doc["fits"]
+
+
+_WARM_PLAN = """
+import sys
+from paratrain.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    assert not exc.code, exc.code
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_from_the_trace_cache_does_not_import_torch(tmp_path):
+    """The first plan traces (and imports torch); the same plan again answers from the disk cache alone, without
+    importing torch (what made a warm plan cost seconds). A traced-code import at module level fails this."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    args = ["plan", "--model", "small", "--gpu", "a100-80", "--gpus", "8", "--seq-len", "1024", "--global-batch",
+            "16", "--json"]
+    env = cli_env({"PARATRAIN_CACHE": str(tmp_path)})  # its own cache: the first run is cold whatever ran before
+    runs = [subprocess.run([sys.executable, "-c", _WARM_PLAN, *args], capture_output=True, text=True, env=env,
+                           timeout=240, cwd=os.getcwd()) for _ in range(2)]
+    for res in runs:
+        assert res.returncode == 0, res.stderr
+    assert "torch imported: True" in runs[0].stderr  # the cold run traced
+    assert "torch imported: False" in runs[1].stderr, runs[1].stderr[-2000:]
+    assert json.loads(runs[0].stdout)["candidates"] == json.loads(runs[1].stdout)["candidates"]

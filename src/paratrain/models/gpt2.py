@@ -120,18 +120,3 @@ class GPT2(nn.Module):
             h = layer(h)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-
-def count_gpt2_params(args: ModelArgs, include_embedding: bool = True) -> int:
-    """Parameters of GPT2(args). include_embedding=False drops the token and position tables (lookups);
-    the output head always counts, tied or not, since it is a real matmul."""
-    d, f = args.dim, args.ffn_dim
-    attn = 4 * d * d + 4 * d  # q, k, v and output biases (the key bias is frozen, see GPT2Attention)
-    mlp = 2 * d * f + f + d
-    per_layer = attn + mlp + 4 * d
-    head = args.vocab_size * d
-    body = args.n_layers * per_layer + 2 * d + head
-    tables = args.vocab_size * d + args.max_seq_len * d
-    if not include_embedding:
-        return body
-    return body + tables - (head if args.tie_embeddings else 0)

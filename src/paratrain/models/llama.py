@@ -8,47 +8,11 @@ through `Attention.attn_fn`, the hook context parallelism swaps.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.errors import UserError
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    name: str = "custom"
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    ffn_dim: int = 256
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    family: str = "llama"  # "llama" (this file) or "gpt2" (models/gpt2.py: LayerNorm, GELU, learned positions)
-    tie_embeddings: bool = False  # gpt2 only: the output head shares the token table
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def check_tp_divides(self, tp: int) -> None:
-        """Tensor parallelism splits heads, kv heads, the ffn and the vocab tp ways: each must divide evenly."""
-        for label, size in (("attention heads", self.n_heads), ("kv heads", self.kv_heads),
-                            ("ffn size", self.ffn_dim), ("vocab size", self.vocab_size)):
-            if size % tp:
-                raise UserError(f"tp={tp} does not divide the model's {label} ({size})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from paratrain.models.args import ModelArgs
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

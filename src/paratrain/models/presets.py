@@ -9,11 +9,18 @@ discounting the causal mask (the PaLM / nanoGPT convention).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from paratrain.errors import UserError
-from paratrain.models.hf_model import is_hf_model
-from paratrain.models.llama import ModelArgs, Transformer
+from paratrain.models.args import ModelArgs, count_gpt2_params
+
+if TYPE_CHECKING:
+    import torch
+
+    from paratrain.models.llama import Transformer
+
+# torch (and the model code) is imported where a model is built: the planner reads shapes and counts from here
+# and answers from its trace cache without importing torch
 
 PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(name="tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
@@ -54,6 +61,8 @@ def model_args_for(cfg) -> ModelArgs:
     and room for its sequence length."""
     import dataclasses
 
+    from paratrain.models.hf_files import is_hf_model
+
     shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
     if is_hf_model(cfg.model):  # a transformers model's config.json: its own shape, no overrides
         from paratrain.models.hf_args import hf_model_args
@@ -74,6 +83,10 @@ def model_args_for(cfg) -> ModelArgs:
 
 def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
     """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning)."""
+    import torch
+
+    from paratrain.models.llama import Transformer
+
     with torch.device(device):
         if args.family == "gpt2":
             from paratrain.models.gpt2 import GPT2
@@ -88,8 +101,6 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int |
 
 def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
     if args.family == "gpt2":
-        from paratrain.models.gpt2 import count_gpt2_params
-
         return count_gpt2_params(args, include_embedding)
     d, h = args.dim, args.head_dim
     attn = d * args.n_heads * h * 2 + d * args.kv_heads * h * 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paratrain.errors import UserError, read_json_file
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")  # qwen2: + q/k/v biases, a rounding error in the count
 
@@ -55,7 +55,7 @@ def args_from_hf_config(doc: dict, path: str = "config.json") -> ModelArgs:
 
 def load_hf_config(path: str | Path) -> ModelArgs:
     """A config.json file, a directory holding one, or `hf:PATH`."""
-    from paratrain.models.hf_model import hf_location, read_hf_config
+    from paratrain.models.hf_files import hf_location, read_hf_config
 
     config_path, _ = hf_location(str(path))
     doc = read_json_file(config_path, "--hf-config")
@@ -69,6 +69,6 @@ def load_hf_config(path: str | Path) -> ModelArgs:
 
 def plans_hf_model(model: str | None) -> bool:
     """`plan --model hf:PATH` names a transformers model rather than a preset."""
-    from paratrain.models.hf_model import is_hf_model
+    from paratrain.models.hf_files import is_hf_model
 
     return is_hf_model(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.compose import Composed, trace
 from paratrain.plan.trace import PhasePeak, TraceKey

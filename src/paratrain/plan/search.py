@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.errors import UserError
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes

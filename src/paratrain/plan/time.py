@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
 from paratrain.plan.compose import Composed, trace

@@ -14,12 +14,17 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from paratrain.models.args import ModelArgs
 
-from paratrain.models.llama import ModelArgs
-from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
-from paratrain.plan.tracker import LiveTensorTracker
+# torch and the traced code are imported by the functions that trace: a plan answered from the trace cache
+# (compose.py reads the records below) never imports torch
+if TYPE_CHECKING:
+    import torch
+
+    from paratrain.plan.local_model import CommLog
+    from paratrain.plan.tracker import LiveTensorTracker
 
 PHASES = ("first_mb", "next_mb", "optimizer")
 # view / metadata ops: dispatcher overhead, no kernel and no memory traffic
@@ -94,6 +99,8 @@ class OneTrace:
 
 # -- op accounting -----------------------------------------------------------------------------------------------
 def _tensor_bytes(x) -> int:
+    import torch
+
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
@@ -108,6 +115,7 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: b
 
 def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
     """(kind, flops, bytes moved) of one aten op. kind: mm | attn | mem | view."""
+    import torch
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
@@ -139,6 +147,8 @@ def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
 
 # -- the tracer --------------------------------------------------------------------------------------------------
 def _stage_input(key: TraceKey, seq_local: int, dim: int):
+    import torch
+
     if key.part in ("whole", "first"):
         return torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
     # a later pipeline stage receives the previous stage's hidden states (fp32 residual stream)
@@ -149,6 +159,7 @@ def _recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = F
     """An op hook that appends (kind, flops, bytes, count, dtensor) per op to ops[state["phase"]].
     foreach_per_tensor: a `_foreach_*` op runs one kernel per tensor of its list (CPU has no multi-tensor
     kernels), so it is recorded as that many ops, each with its share of the bytes."""
+    import torch
     from torch.utils._pytree import tree_leaves
 
     def record(func, args, kwargs, out):
@@ -185,13 +196,21 @@ def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layer
                                   trace_optimizer(args, "middle", tp, device_type, 2))
         if derived is not None:
             return derived
+    if layers == 1 and part == "last" and not args.tie_embeddings:
+        # the last part holds what the whole model holds minus the embedding: whole + middle - first (a search
+        # traces the whole model first; a tied embedding is one tensor in both ends, and never pipelined)
+        derived = _plus_one_block(trace_optimizer(args, "whole", tp, device_type, 1),
+                                  trace_optimizer(args, "first", tp, device_type, 1),
+                                  trace_optimizer(args, "middle", tp, device_type, 1))
+        if derived is not None:
+            return derived
     key = {"args": args, "part": part, "tp": tp, "device_type": device_type, "layers": layers}
     return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers), _decode_one)
 
 
 def _plus_one_block(base: OneTrace, lo: OneTrace, hi: OneTrace) -> OneTrace | None:
-    """base + (hi - lo): bytes, peaks and op totals are sums over the parameter tensors, so one block's worth
-    carries from one part to another. An op entry (kind, flops, bytes, count, dtensor) holds per-op averages
+    """base + (hi - lo): bytes, peaks and op totals are sums over the parameter tensors, so what one part has
+    beyond another (a block, the head) carries to a third. An op entry (kind, flops, bytes, count, dtensor) holds per-op averages
     (a CPU foreach op is `count` per-tensor kernels), so totals are added and averaged again. None when the op
     lists do not line up (then the part is traced)."""
     a, b, c = base.ops["opt"], lo.ops["opt"], hi.ops["opt"]
@@ -224,8 +243,11 @@ def _decode_one(doc: dict) -> OneTrace:
 
 
 def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from paratrain.plan.local_model import CommLog, build_local_model
+    from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.optim import build_optimizer
     from paratrain.train.step import clip_grad_norm
 
@@ -268,8 +290,11 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
 
 def trace_once(key: TraceKey, layers: int) -> OneTrace:
     """One micro-batch's forward and backward of the rank's part with `layers` blocks, plus its optimizer step."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
+    from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.step import autocast_context, lm_loss
 
     opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers)
@@ -341,6 +366,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
 def _mark_groups(model, tracker: LiveTensorTracker, result: OneTrace) -> dict:
     """Record live bytes where each FSDP parameter group (block, head) starts its forward and backward,
     while the returned switch is on."""
+    import torch
+
     switch = {"on": True}
 
     def on_grad(attr: str):

@@ -37,15 +37,14 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """torch's version and a hash of the traced code's source files."""
-    import importlib
+    """torch's version and a hash of the traced code's source files (found, not imported: a plan answered from
+    the cache never imports torch or the traced code)."""
+    import importlib.metadata
+    import importlib.util
 
-    import torch
-
-    h = hashlib.sha256(torch.__version__.encode())
+    h = hashlib.sha256(importlib.metadata.version("torch").encode())
     for name in _TRACED_MODULES:
-        mod = importlib.import_module(name)
-        paths = [Path(mod.__file__)]
+        paths = [Path(importlib.util.find_spec(name).origin)]
         if paths[0].name == "__init__.py":
             paths = sorted(paths[0].parent.glob("*.py"))
         for p in paths:

@@ -13,12 +13,7 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
-import torch
-from torch.utils._pytree import tree_leaves
-
-from paratrain.models.llama import ModelArgs
-from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
-from paratrain.plan.tracker import LiveTensorTracker, storages_of
+from paratrain.models.args import ModelArgs
 
 UNITS = ("pre", "block", "head")
 PASSES = ("first", "next")
@@ -80,9 +75,13 @@ def _unit_of_params(model) -> dict[str, list]:
 def trace_units(key: UnitKey) -> UnitTrace:
     """Trace embedding + one block + head, forward and backward, for two micro-batches (the second
     accumulates into existing gradients), cutting the live-bytes timeline at each unit's boundaries."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves
 
+    from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
     from paratrain.plan.trace import _quiet, _recorder
+    from paratrain.plan.tracker import LiveTensorTracker, storages_of
     from paratrain.train.step import autocast_context, lm_loss
 
     result = UnitTrace(micro_batch=key.micro_batch)
