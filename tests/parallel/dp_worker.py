@@ -1,9 +1,10 @@
-# Data-parallel checks that need a process group, all in ONE launch (gloo, CPU): verify parity of several
-# strategies against the single-device reference, collective accounting, and ZeRO-1 checkpoints across sizes.
+# The checks of tests/parallel that need a process group, all in ONE launch per world size (gloo, CPU): verify
+# parity of several strategies against the single-device reference, collective accounting, and ZeRO-1
+# checkpoints across sizes. conftest.py says which.
 """Usage: torchrun --standalone --nproc-per-node N dp_worker.py SPEC.json -> rank 0 prints one JSON line.
 
-SPEC: {"verify": [{"strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null, "ckpt_load": DIR|null,
-       "approx": {"steps": N, "runs": {name: overrides}} | null}
+SPEC: {"verify": [{"id": NAME, "strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null,
+       "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null}
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ def config(rt, **overrides) -> TrainConfig:
 def run_verify(rt, specs: list[dict]) -> list[dict]:
     out = []
     for spec in specs:
-        cfg = config(rt, **spec)
+        fields = {k: v for k, v in spec.items() if k != "id"}
+        cfg = config(rt, **fields)
         validate_run(cfg, rt.world_size)
         report = verify_in_group(cfg, rt)
         if rt.is_main:
-            out.append({k: report[k] for k in ("strategy", "dims", "passed", "checks", "max_loss_abs_diff",
-                                               "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes")})
+            out.append({"id": spec["id"], "world_size": rt.world_size,
+                        **{k: report[k] for k in ("strategy", "dims", "dtype", "passed", "checks", "max_loss_abs_diff",
+                                                  "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes")}})
     return out
 
 

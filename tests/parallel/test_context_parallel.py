@@ -76,17 +76,18 @@ def _verify(cli, *args: str, timeout: float = 280) -> dict:
     return report
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["cp-ring", "cp-ulysses"])
-def test_verify_cp_two_ranks(cli, strategy):
-    report = _verify(cli, "--strategy", strategy, "--nproc", "2", "--steps", "3", "--timeout-s", "120")
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", ["cp-ring2", "cp-ulysses2"])
+def test_verify_cp_two_ranks(two_ranks, case):
+    report = {r["id"]: r for r in two_ranks["verify"]}[case]
+    assert report["passed"] is True, report
     assert report["dims"]["cp"] == 2 and report["world_size"] == 2
 
 
-@pytest.mark.timeout(300)
-def test_verify_fsdp_times_cp_four_ranks(cli):
-    report = _verify(cli, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--nproc", "4",
-                     "--steps", "3", "--timeout-s", "200")
+@pytest.mark.timeout(500)
+def test_verify_fsdp_times_cp_four_ranks(four_ranks):
+    report = {r["id"]: r for r in four_ranks["verify"]}["fsdp2xcp2"]
+    assert report["passed"] is True, report
     assert report["dims"]["dp_shard"] == 2 and report["dims"]["cp"] == 2
 
 

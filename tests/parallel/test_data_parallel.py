@@ -1,75 +1,42 @@
 """Data-parallel family: ZeRO-1/2/3, HSDP, comm hooks, local SGD, collective accounting, model-state bytes.
 
 Parity reference: bench/verify.py's single-device run of the same seed and batches, fp32 tolerances (loss 1e-5
-relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). Two launches (2 and 4 ranks, gloo) run every
-multi-rank check through dp_worker.py; the approximate methods (fp16 / PowerSGD hooks, local SGD) must end
+relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). conftest.py's two launches (2 and 4 ranks, gloo)
+run every multi-rank check through dp_worker.py; the approximate methods (fp16 / PowerSGD hooks, local SGD) must end
 within 3% of DDP's loss (mean of the last 10 steps) after the same number of steps.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import cli_env
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 PSI = 131392  # parameters of the tiny preset
-APPROX_STEPS = 300
-APPROX_RUNS = {"ddp": {}, "fp16": {"ddp_comm_hook": "fp16"}, "powersgd": {"ddp_comm_hook": "powersgd"},
-               "local_sgd": {"local_sgd_period": 4}}
+APPROX_STEPS = 300  # conftest.py's two_ranks group trains each approximate method this long
 
 
-def launch(nproc: int, spec: dict, tmp_path, timeout: int) -> dict:
-    spec_file = tmp_path / f"spec-{nproc}.json"
-    spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(HERE, "dp_worker.py"), str(spec_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(),
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("zero1-ckpt")
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, ckpt_dir):
-    spec = {"verify": [{"strategy": s} for s in ("zero1", "zero2", "zero3")], "comm": True,
-            "ckpt_save": str(ckpt_dir), "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS}}
-    return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=400)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
-    spec = {"verify": [{"strategy": s} for s in ("zero1", "zero2", "zero3")] +
-            [{"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
-             {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"}],  # tied embedding
-            "ckpt_load": str(ckpt_dir)}
-    return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=400)
+def dp_reports(group: dict) -> dict:
+    """The data-parallel verify reports of a conftest.py group (it verifies TP and CP layouts too), by id."""
+    return {r["id"]: r for r in group["verify"] if r["id"].startswith(("zero", "hsdp"))}
 
 
 # -- parity -----------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(420)
 def test_zero_stages_match_single_device_at_two_ranks(two_ranks):
-    for report in two_ranks["verify"]:
+    reports = dp_reports(two_ranks)
+    assert sorted(reports) == ["zero1", "zero2", "zero3"]
+    for report in reports.values():
         assert report["passed"], report
-    assert [r["dims"]["dp_replicate"] * r["dims"]["dp_shard"] for r in two_ranks["verify"]] == [2, 2, 2]
+    assert [r["dims"]["dp_replicate"] * r["dims"]["dp_shard"] for r in reports.values()] == [2, 2, 2]
 
 
 @pytest.mark.timeout(420)
 def test_zero_stages_and_hsdp_match_single_device_at_four_ranks(four_ranks):
-    for report in four_ranks["verify"]:
+    reports = dp_reports(four_ranks)
+    assert sorted(reports) == ["hsdp", "hsdp-tied", "zero1", "zero2", "zero3"]
+    for report in reports.values():
         assert report["passed"], report
-    reports = {r["strategy"]: r for r in four_ranks["verify"]}
     assert reports["hsdp"]["dims"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
 
 
@@ -88,7 +55,7 @@ def test_verify_cli_reports_model_state_bytes(cli):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
 def test_model_state_bytes_follow_zero_formulas(two_ranks, four_ranks, world):
-    reports = {r["strategy"]: r["model_state_bytes"]["mean"] for r in (two_ranks if world == 2 else four_ranks)["verify"]}
+    reports = {i: r["model_state_bytes"]["mean"] for i, r in dp_reports(two_ranks if world == 2 else four_ranks).items()}
     full, shard = 4 * PSI, 4 * PSI / world
     expect = {"zero1": (full, full, 2 * shard), "zero2": (full + shard, shard, 2 * shard),
               "zero3": (shard, shard, 2 * shard)}
