@@ -416,7 +416,7 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
          nproc: int = typer.Option(2, "--nproc", help="processes for --calibrate"),
          calibrate_rounds: int = typer.Option(9, "--calibrate-rounds", min=1, max=100,
                                               help="--calibrate: timed rounds of each reference step (fewer: "
-                                                   "faster, noisier fit)"),
+                                                   "faster, noisier fit; 1 also warms up once, not twice)"),
          peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="custom GPU: dense TFLOP/s"),
          mem_gib: Optional[float] = typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB"),
          intra_node_gbs: Optional[float] = typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way"),
