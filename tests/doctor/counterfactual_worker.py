@@ -4,9 +4,9 @@ measurement (two ranks minus one rank), side by side, round by round, in one pro
 Each round times, on the same pre-staged batch: the full DDP step on both ranks; the same step with the
 gradient sync skipped and each rank alone in turn (the doctor's probes, counterfactual.run_probes); and,
 independently of the doctor's code, the single-device step of a one-rank Trainer on rank 0 while rank 1 waits
-in a barrier. The two reference steps run as Trainer.train_step runs them (gradients set to None), the one-rank
-step twice in a row, timing the second: its steady state, as in a one-rank run, not the step after another
-model's (whose freed memory decides whether its fresh gradients page-fault). Then the fault: the doctor's probes again with an alone probe that skips nothing (every rank
+in a barrier. The two reference steps run as Trainer.train_step runs them (gradients set to None), each twice in
+a row, timing the second: its steady state, as in a run of its own, not the step after another model's or
+variant's (whose freed memory decides whether its fresh gradients page-fault). Then the fault: the doctor's probes again with an alone probe that skips nothing (every rank
 runs the full DDP step at once). Prints one JSON line on rank 0.
 """
 
@@ -53,6 +53,7 @@ def main() -> None:
     honest = counterfactual.alone_in_turn
     staged_s = []
     for i in range(rounds):
+        training_step_s(ddp, staged)
         two_s.append(training_step_s(ddp, staged))
         if one is not None:
             training_step_s(one, one_staged)

@@ -26,22 +26,21 @@ LARGE_DDP = 'model = "tiny"\nvocab_size = 16384\ndim = 256\nffn_dim = 512\nn_lay
 @pytest.mark.timeout(300)
 def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "counterfactual_worker.py"), "7"]
+           os.path.join(HERE, "counterfactual_worker.py"), "5"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=cli_env(), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    # medians over rounds after the first (allocator and cache warm-up)
-    two, one, cf, no_sync, alone, sync = (statistics.median(got[k][1:]) for k in
+    # medians over the rounds (each timed step follows an untimed one of its kind: no separate warm-up round)
+    two, one, cf, no_sync, alone, sync = (statistics.median(got[k]) for k in
                                           ("two_s", "one_s", "cf_s", "no_sync_s", "alone_s", "sync_s"))
     broken = statistics.median(got["broken_s"])  # all three rounds: one load spike must not decide it
     measured = two - one
     assert measured > 0, got
     detail = (f"two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; probe {cf:.4f} s (sync {sync:.4f} s, "
               f"no_sync step {no_sync:.4f} s, alone step {alone:.4f} s); broken probe {broken:.4f} s; {got}")
-    # Issue #20 asks for a quarter. The probe's cost is full - alone (the sync plus the contention two ranks cause
-    # on shared cores), the quantity two - one measures, but on this 2-vCPU machine under other load it came out
-    # at 0.46-1.10x of two - one over 10 runs (docs/doctor.md): the alone step runs 20-60 ms slower than the
-    # separately built one-rank Trainer's step, unexplained. The bounds are what the test holds, not the quarter.
+    # Issue #20 asks for a quarter. After the allocator fix (docs/doctor.md) 8 runs at load 8-12 on the 2-vCPU
+    # machine gave 0.65-2.76x (4 of 8 within a quarter, median 0.96): the load, not a bias, spreads them. The
+    # bounds are what the test holds, not the quarter.
     assert 0.25 * measured <= cf <= 1.5 * measured, detail
     # the fault: an alone probe that skips nothing attributes (almost) nothing, and this bound catches it
     assert broken < 0.25 * measured, detail

@@ -3,7 +3,8 @@
 Exposed time understates a cause that competes with compute for the same cores or memory bandwidth (gloo's
 threads, a loader's decoding): its cost is what the step saves without it. After the measured and profiled
 steps, every rank runs the same probe steps on one pre-staged batch, interleaved round by round so drift in
-the machine's load hits every variant alike (the fastest round of each counts):
+the machine's load hits every variant alike (the fastest round of each counts; within a round each variant
+runs twice in a row and the second is timed):
     staged        the full step on data already on the device
     no_grad_sync  the gradient all-reduce skipped (DDP's no_sync); only where the layout is plain DDP
     no_optimizer  clipping and the optimizer step skipped
@@ -124,16 +125,18 @@ def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
     alone = alone_removable(trainer)
     phase_timer, trainer.phase_timer = trainer.phase_timer, None
     try:
-        probe_step(trainer, micro_batches)
-        if alone:
-            alone_in_turn(trainer, micro_batches)  # untimed: the module's first step outside DDP
         times: dict[str, list[dict]] = {name: [] for name in variants}
         if alone:
             times["alone"] = []
         for _ in range(rounds):
+            # each variant twice in a row, the second timed: a timed step follows a step of its own kind, so
+            # the allocator holds what that variant frees and reuses (see the module's docstring), and the
+            # alone step's first run outside DDP is never timed
             for name, kwargs in variants.items():
+                probe_step(trainer, micro_batches, **kwargs)
                 times[name].append(probe_step(trainer, micro_batches, **kwargs))
             if alone:
+                alone_in_turn(trainer, micro_batches)
                 times["alone"].append(alone_in_turn(trainer, micro_batches))
     finally:
         trainer.phase_timer = phase_timer
