@@ -1,18 +1,24 @@
-"""Does `paratrain doctor` report the run as `paratrain train` runs it? Side by side, alternating, in one run.
+"""Does `paratrain doctor` report the run as `paratrain train` runs it, and what does `train --monitor` cost?
 
-For each strategy the same configuration runs under `train` and under `doctor` (CLI subprocesses, as a user
-runs them), alternating round by round so the machine's load hits both alike, and prints:
-    step ratio   doctor's reported step time / train's measured step time (mean over the same post-warm-up
-                 steps: train's from RUNDIR/metrics.jsonl)
-    fastest      the same for the fastest step of each (doctor's step_time_fastest_s): on a shared machine the
-                 mean follows the other load, the fastest step much less
-    peak ratio   doctor's reported peak memory / train's peak (rank 0; CPU: peak RSS, CUDA: allocator peak)
-    monitor      `train --monitor`'s step time / plain train's (same steps, from each run's metrics.jsonl)
-    control      a second plain `train` run / the first: the noise floor, what the same command measures twice
-                 on this machine; a doctor or monitor ratio inside it is not a difference the run can show
-Target: step and peak ratios 1.00 +- 0.05; monitor <= 1.02.
+For each strategy the same configuration runs as four CLI launches per round (2 ranks, as a user runs them):
+    train     plain `train`
+    doctor    `doctor` on the same steps
+    monitor   `train --monitor --monitor-every 2`
+    control   plain `train` again: the noise floor, what the same command measures against itself
+R rounds, the order rotated each round so no variant always runs first (or on the busier machine). Every
+ratio is taken within a round (variant / that round's `train`) and summarised as the median over rounds with
+its range [min-max]; a ratio is only a finding where its range sits outside the control's.
+    step      the step time each reports for the same post-warm-up steps: train's and monitor's `step_time_s`
+              from RUNDIR/metrics.jsonl (data wait + step), doctor's reported `step_time_s`
+    wall      wall time per step between the per-step `wall_s` stamps of metrics.jsonl over the same steps, so
+              the monitor's per-window all-reduce and file writes (after `step_time_s` ends) are inside it
+    cpu       rank 0's CPU seconds per step (all its threads) over the same steps: train/monitor from the
+              `cpu_s` stamps, doctor from getrusage over its measured steps. Less moved than wall time by other
+              load on the machine (which takes cores away but does not add this process's CPU time)
+    peak      doctor's reported peak / train's (rank 0; CPU: peak RSS, CUDA: allocator peak)
+Targets: doctor step and peak 1.00 +- 0.05; monitor <= 1.02.
 
-    python benchmarks/doctor_overhead.py [--strategies ddp,zero3,tp,pp] [--rounds 3] [--steps 6]
+    python benchmarks/doctor_overhead.py [--strategies ddp,zero3,tp,pp] [--rounds 5] [--steps 10]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ WARMUP = 2
 # two layers so pp has a layer per stage; big enough that a step is tens of ms, not timer noise
 RUN = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--nproc", "2", "--timeout-s", "120"]
 PER_STRATEGY = {"pp": ["--microbatches", "4"]}
+VARIANTS = ("train", "doctor", "monitor", "control")
 
 
 def paratrain(*args: str) -> dict:
@@ -41,70 +48,73 @@ def paratrain(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def train_figures(strategy: str, steps: int, out: Path, *extra: str) -> tuple[float, float, float]:
+def train_figures(strategy: str, steps: int, out: Path, *extra: str) -> dict:
+    """Steps WARMUP+1 .. WARMUP+steps; one more step runs so its wall_s/cpu_s stamp closes the last one."""
     summary = paratrain("train", "--strategy", strategy, *RUN, *PER_STRATEGY.get(strategy, []),
-                        "--steps", str(WARMUP + steps), "--out", str(out), "--resume", "never", *extra)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows if r["step"] > WARMUP and "event" not in r]
-    return statistics.fmean(times), summary["peak_mem_gib"], min(times)
+                        "--steps", str(WARMUP + steps + 1), "--out", str(out), "--resume", "never", *extra)
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "event" not in r}
+    first, last = rows[WARMUP + 1], rows[WARMUP + steps + 1]
+    return {"step": statistics.fmean(rows[s]["step_time_s"] for s in range(WARMUP + 1, WARMUP + steps + 1)),
+            "wall": (last["wall_s"] - first["wall_s"]) / steps, "cpu": (last["cpu_s"] - first["cpu_s"]) / steps,
+            "peak": summary["peak_mem_gib"]}
 
 
-def doctor_figures(strategy: str, steps: int) -> tuple[float, float, float]:
+def doctor_figures(strategy: str, steps: int) -> dict:
     report = paratrain("doctor", "--strategy", strategy, *RUN, *PER_STRATEGY.get(strategy, []),
                        "--warmup", str(WARMUP), "--steps", str(steps))
-    return report["step_time_s"], report["peak_mem_gib"], report["step_time_fastest_s"]
+    return {"step": report["step_time_s"], "cpu": report["cpu_s_per_step"], "peak": report["peak_mem_gib"]}
 
 
-VARIANTS = ("train", "doctor", "monitor", "control")
-
-
-def run_variant(name: str, strategy: str, steps: int, out: Path) -> tuple[float, float, float]:
+def run_variant(name: str, strategy: str, steps: int, out: Path) -> dict:
     if name == "doctor":
         return doctor_figures(strategy, steps)
     extra = ("--monitor", "--monitor-every", "2") if name == "monitor" else ()  # control: plain train again
     return train_figures(strategy, steps, out, *extra)
 
 
+# (label, variant, figure): each a ratio variant/train within a round
+COLUMNS = [("doctor step", "doctor", "step"), ("doctor cpu", "doctor", "cpu"), ("doctor peak", "doctor", "peak"),
+           ("monitor wall", "monitor", "wall"), ("monitor cpu", "monitor", "cpu"), ("monitor step", "monitor", "step"),
+           ("control step", "control", "step"), ("control wall", "control", "wall"), ("control cpu", "control", "cpu")]
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="ddp,zero3,tp,pp")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     opts = parser.parse_args()
-    rows = []
+    table = []
     with tempfile.TemporaryDirectory(prefix="paratrain-doctor-overhead-") as tmp:
         for strategy in opts.strategies.split(","):
-            step_ratios, peak_ratios, monitor_ratios, fast_ratios, fast_monitor, control, fast_control = (
-                [], [], [], [], [], [], [])
+            ratios: dict[str, list[float]] = {label: [] for label, _, _ in COLUMNS}
+            load_before = load()
             for i in range(opts.rounds):
-                # rotate the order, so no variant always runs on the warmer (or busier) machine
                 k = i % len(VARIANTS)
-                order = list(VARIANTS[k:] + VARIANTS[:k])
+                order = VARIANTS[k:] + VARIANTS[:k]
                 got = {name: run_variant(name, strategy, opts.steps, Path(tmp) / f"{strategy}-{i}-{name}")
                        for name in order}
-                (t_step, t_peak, t_fast), (d_step, d_peak, d_fast), (m_step, _, m_fast), (c_step, _, c_fast) = (
-                    got["train"], got["doctor"], got["monitor"], got["control"])
-                control.append(c_step / t_step)
-                fast_control.append(c_fast / t_fast)
-                step_ratios.append(d_step / t_step)
-                peak_ratios.append(d_peak / t_peak)
-                monitor_ratios.append(m_step / t_step)
-                fast_ratios.append(d_fast / t_fast)
-                fast_monitor.append(m_fast / t_fast)
-                print(f"{strategy} round {i + 1}: train {t_step * 1e3:.1f} ms {t_peak:.3f} GiB; doctor "
-                      f"{d_step * 1e3:.1f} ms {d_peak:.3f} GiB; train --monitor {m_step * 1e3:.1f} ms; train again "
-                      f"{c_step * 1e3:.1f} ms",
+                for label, variant, figure in COLUMNS:
+                    ratios[label].append(got[variant][figure] / got["train"][figure])
+                t = got["train"]
+                print(f"{strategy} round {i + 1} ({','.join(order)}; load {load()}): train step {t['step'] * 1e3:.1f} "
+                      f"wall {t['wall'] * 1e3:.1f} cpu {t['cpu'] * 1e3:.1f} ms; "
+                      + "; ".join(f"{label} {ratios[label][-1]:.3f}" for label, _, _ in COLUMNS),
                       file=sys.stderr, flush=True)
-            rows.append((strategy, *(statistics.median(v) for v in (step_ratios, fast_ratios, peak_ratios,
-                                                                   monitor_ratios, fast_monitor, control,
-                                                                   fast_control))))
-    print(f"{' '.join(RUN)}; {WARMUP} warm-up + {opts.steps} steps, {opts.rounds} rounds alternating (median ratio)")
-    print(f"{'strategy':<10} {'step doctor/train':>18} {'fastest':>8} {'peak doctor/train':>18} "
-          f"{'step monitor/train':>19} {'fastest':>8} {'control train/train':>20} {'fastest':>8}")
-    for strategy, step, fast, peak, monitor, fast_mon, ctrl, fast_ctrl in rows:
-        print(f"{strategy:<10} {step:>18.3f} {fast:>8.3f} {peak:>18.3f} {monitor:>19.3f} {fast_mon:>8.3f} "
-              f"{ctrl:>20.3f} {fast_ctrl:>8.3f}")
-    print("target: doctor 1.00 +- 0.05, monitor <= 1.02")
+            table.append((strategy, f"{load_before}->{load()}", ratios))
+    print(f"{' '.join(RUN)}; {WARMUP} warm-up + {opts.steps} steps; {opts.rounds} rounds, order rotated; "
+          f"each cell: median of the per-round ratios to that round's plain train [min-max]")
+    print(f"{'strategy':<9} {'load':>9} " + " ".join(f"{label:>20}" for label, _, _ in COLUMNS))
+    for strategy, loads, ratios in table:
+        cells = [f"{statistics.median(v):.3f} [{min(v):.2f}-{max(v):.2f}]" for v in ratios.values()]
+        print(f"{strategy:<9} {loads:>9} " + " ".join(f"{c:>20}" for c in cells))
+    print("target: doctor step and peak 1.00 +- 0.05, monitor <= 1.02; a ratio whose range overlaps the "
+          "control's is not distinguishable from no effect on this machine")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ measurement (two ranks minus one rank), side by side, round by round, in one pro
 Each round times, on the same pre-staged batch: the full DDP step on both ranks; the same step with the
 gradient sync skipped and each rank alone in turn (the doctor's probes, counterfactual.run_probes); and,
 independently of the doctor's code, the single-device step of a one-rank Trainer on rank 0 while rank 1 waits
-in a barrier. Then the fault: the doctor's probes again with an alone probe that skips nothing (every rank
+in a barrier. The two reference steps run as Trainer.train_step runs them (gradients set to None), each twice in
+a row, timing the second: its steady state, as in a run of its own, not the step after another model's or
+variant's (whose freed memory decides whether its fresh gradients page-fault). Then the fault: the doctor's probes again with an alone probe that skips nothing (every rank
 runs the full DDP step at once). Prints one JSON line on rank 0.
 """
 
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -26,6 +29,17 @@ LARGE = {"model": "tiny", "vocab_size": 16384, "dim": 256, "ffn_dim": 512, "n_la
          "metrics": False, "resume": "never", "steps": 100}
 
 
+def training_step_s(trainer, micro_batches) -> float:
+    """One step on pre-staged data as Trainer.train_step runs it (gradients set to None first), in seconds."""
+    t0 = time.perf_counter()
+    for opt in trainer.optimizers:
+        opt.zero_grad(set_to_none=True)
+    local = trainer.step_runner.forward_backward(micro_batches)
+    trainer.optimizer_step()
+    trainer.global_loss(local)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     rounds = int(sys.argv[1])
     rt = init_runtime("cpu", 60)
@@ -39,9 +53,11 @@ def main() -> None:
     honest = counterfactual.alone_in_turn
     staged_s = []
     for i in range(rounds):
-        two_s.append(probe_step(ddp, staged)["step_s"])
+        training_step_s(ddp, staged)
+        two_s.append(training_step_s(ddp, staged))
         if one is not None:
-            one_s.append(probe_step(one, one_staged)["step_s"])
+            training_step_s(one, one_staged)
+            one_s.append(training_step_s(one, one_staged))
         dist.barrier()
         probes = run_probes(ddp, staged, 1)
         cf_s.append(counterfactual_costs(probes, probes["staged_s"])["communication"])

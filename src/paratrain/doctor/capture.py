@@ -199,12 +199,19 @@ class CaptureSession:
             "threads": torch.get_num_threads(),
             "cores": usable_cores(),
             "involuntary_switches_per_step": (self.rusage.ru_nivcsw - self._rusage0.ru_nivcsw) / n,
+            # this process's CPU seconds (all threads) per measured step, between-step work included: what train's
+            # metrics.jsonl cpu_s stamps give over the same steps
+            "cpu_s_per_step": (_cpu_s(self.rusage) - _cpu_s(self._rusage0)) / n,
             "comm": self.comm,
             "nvml": self.nvml.stop() if self.nvml is not None else None,
             "trace_file": str(trace_file) if trace_file else None,
             "micro_batches": t.source.accumulation_steps,
         }
         return local
+
+
+def _cpu_s(usage) -> float:
+    return usage.ru_utime + usage.ru_stime
 
 
 def _model_states(trainer) -> dict | None:

@@ -3,7 +3,8 @@
 Exposed time understates a cause that competes with compute for the same cores or memory bandwidth (gloo's
 threads, a loader's decoding): its cost is what the step saves without it. After the measured and profiled
 steps, every rank runs the same probe steps on one pre-staged batch, interleaved round by round so drift in
-the machine's load hits every variant alike (the fastest round of each counts):
+the machine's load hits every variant alike (the fastest round of each counts; within a round each variant
+runs twice in a row and the second is timed):
     staged        the full step on data already on the device
     no_grad_sync  the gradient all-reduce skipped (DDP's no_sync); only where the layout is plain DDP
     no_optimizer  clipping and the optimizer step skipped
@@ -12,12 +13,19 @@ the machine's load hits every variant alike (the fastest round of each counts):
                   plain DDP. full - alone is what running distributed costs this rank: the gradient sync
                   (full - no_grad_sync) plus the slowdown its peer ranks cause by computing at the same time
                   on shared cores or memory bandwidth (no_grad_sync - alone)
+staged and no_optimizer drop the gradients first, as Trainer.train_step does. no_grad_sync and alone zero them in
+place instead, so they remove the collective and nothing else: the full DDP step leaves its gradients in DDP's
+persistent buckets, while a no_sync or alone step after gradients set to None keeps freshly allocated ones (tens
+of MiB for a large model), and whether glibc serves those from its heap or from fresh pages (a page fault each)
+depends on what ran just before. On 2 CPU ranks (8.6M parameters, load ~5) the alone step so page-faulted 16k
+times against 8k for a one-rank run's step and ran 54 ms slower; with the gradients kept in place, 8k and -4 ms.
 Probe steps change the parameters; doctor keeps no checkpoint, so nothing of them outlives the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 
 import torch
@@ -44,44 +52,50 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-def probe_step(trainer, micro_batches, sync: bool = True, optimizer: bool = True) -> dict:
-    """Seconds of one step on pre-staged micro-batches, with the gradient sync and/or optimizer removed:
-    {"step_s", "forward_backward_s", "optimizer_s"}."""
-    device = trainer.rt.device
-    t0 = _now(device)
+def _zero_grads(trainer, in_place: bool) -> None:
+    """Drop the gradients (as training does) or zero them where they are (see the module's docstring)."""
     for opt in trainer.optimizers:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not in_place)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def probe_step(trainer, micro_batches, sync: bool = True, optimizer: bool = True, reduce_loss: bool = True,
+               keep_grads: bool = False) -> dict:
+    """Seconds of one step on pre-staged micro-batches, with the gradient sync, the optimizer and/or the loss
+    all-reduce removed: {"step_s", "forward_backward_s", "optimizer_s", "minor_faults"} (page faults taken).
+    `keep_grads`: zero the gradients in place rather than set them to None."""
+    device = trainer.rt.device
+    faults = _minor_faults()
+    t0 = _now(device)
+    _zero_grads(trainer, keep_grads)
     with (contextlib.nullcontext() if sync else _no_grad_sync(trainer)):
         local = trainer.step_runner.forward_backward(micro_batches)
     t1 = _now(device)
     if optimizer:
         trainer.optimizer_step()
     t2 = _now(device)
-    trainer.global_loss(local)
+    if reduce_loss:
+        trainer.global_loss(local)
+    else:
+        float(local.item())
     t3 = _now(device)
-    return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
+    return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1,
+            "minor_faults": _minor_faults() - faults}
 
 
 def alone_step(trainer, micro_batches) -> dict:
     """probe_step on the module inside DDP: no gradient sync, no buffer broadcast, the loss not reduced
     (clipping and the optimizer are local under plain DDP). The peers must not run a collective meanwhile."""
     runner = trainer.step_runner
-    device = trainer.rt.device
     ddp = runner.model
     runner.model = ddp.module
     try:
-        t0 = _now(device)
-        for opt in trainer.optimizers:
-            opt.zero_grad(set_to_none=True)
-        local = runner.forward_backward(micro_batches)
-        t1 = _now(device)
-        trainer.optimizer_step()
-        t2 = _now(device)
-        float(local.item())
-        t3 = _now(device)
+        return probe_step(trainer, micro_batches, reduce_loss=False, keep_grads=True)
     finally:
         runner.model = ddp
-    return {"step_s": t3 - t0, "forward_backward_s": t1 - t0, "optimizer_s": t2 - t1}
 
 
 def alone_in_turn(trainer, micro_batches) -> dict:
@@ -107,20 +121,22 @@ def run_probes(trainer, micro_batches, rounds: int) -> dict | None:
         return None
     variants = {"staged": {}, "no_optimizer": {"optimizer": False}}
     if grad_sync_removable(trainer):
-        variants["no_grad_sync"] = {"sync": False}
+        variants["no_grad_sync"] = {"sync": False, "keep_grads": True}
     alone = alone_removable(trainer)
     phase_timer, trainer.phase_timer = trainer.phase_timer, None
     try:
-        probe_step(trainer, micro_batches)
-        if alone:
-            alone_in_turn(trainer, micro_batches)  # untimed: the module's first step outside DDP
         times: dict[str, list[dict]] = {name: [] for name in variants}
         if alone:
             times["alone"] = []
         for _ in range(rounds):
+            # each variant twice in a row, the second timed: a timed step follows a step of its own kind, so
+            # the allocator holds what that variant frees and reuses (see the module's docstring), and the
+            # alone step's first run outside DDP is never timed
             for name, kwargs in variants.items():
+                probe_step(trainer, micro_batches, **kwargs)
                 times[name].append(probe_step(trainer, micro_batches, **kwargs))
             if alone:
+                alone_in_turn(trainer, micro_batches)
                 times["alone"].append(alone_in_turn(trainer, micro_batches))
     finally:
         trainer.phase_timer = phase_timer

@@ -30,6 +30,8 @@ def build_report(cfg, args, layout, device_type: str, result: dict, mem_budget_g
         # measured before the profiler started: the figures `paratrain train` would show (rank 0)
         "peak_mem_gib": rank0.get("memory_gib"),
         "peak_rss_gib": rank0.get("rss_gib"),
+        # rank 0's CPU seconds per measured step (all its threads, between-step work included)
+        "cpu_s_per_step": rank0.get("cpu_s_per_step"),
         "per_rank": analysis["per_rank"],
         "run": {"strategy": cfg.strategy, "world_size": layout.world, "dims": layout.degrees(),
                 "layout": layout.to_dict(),

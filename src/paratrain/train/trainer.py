@@ -284,9 +284,13 @@ class Trainer:
         monitor = self.start_monitor(steplog) if cfg.monitor else None
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
+        # wall_s / cpu_s: stamped at the top of every step, so consecutive differences hold everything between
+        # (logging, --monitor's windows, callbacks), which step_time_s does not
+        loop_wall, loop_cpu = time.perf_counter(), time.process_time()
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
+                cpu0 = time.process_time()
                 micro, waited = prefetch.next_step()
                 out = self.train_step(micro)
                 if self.rt.device_type == "cuda":
@@ -304,7 +308,7 @@ class Trainer:
                     measured_steps += 1
                 record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                           "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                          "mem_peak_gib": self.memory_gib()}
+                          "mem_peak_gib": self.memory_gib(), "wall_s": t0 - loop_wall, "cpu_s": cpu0 - loop_cpu}
                 if self.validator and (self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0)):
                     val = evaluate(self)
                     self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
