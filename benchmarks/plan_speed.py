@@ -4,9 +4,10 @@
 
 Each plan runs as a user runs it (`python -m paratrain.cli plan ... --json`, a fresh process, imports included),
 twice: cold (an empty trace cache) and warm (the cache the cold run filled), and then the full search
-(`--search full`: every layout refined, no pruning), warm. The machine's load average is printed with the
-figures: on a shared 2-core machine it moves the wall-clock seconds; the CPU seconds of the plan process are
-printed beside them. Targets: a plan <= 5 s, a full search <= 30 s.
+(`--search full`: every layout refined, no pruning), warm; the cold run's traces are counted by kind (the files
+it wrote to the empty cache). The machine's load average is printed with the figures: on a shared 2-core
+machine it moves the wall-clock seconds; the CPU seconds of the plan process are printed beside them.
+Targets: a plan <= 5 s, a full search <= 30 s.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def run_plan(config: Path, gpu: str, gpus: int, seq: int, batch: int, cache: str
     return seconds, cpu, json.loads(res.stdout)
 
 
+def traces_written(cache: str) -> dict[str, int]:
+    """What the cold plan traced (or built), by kind: the files it wrote to its empty trace cache
+    (trace_cache.py names each `KIND-DIGEST.json`)."""
+    out: dict[str, int] = {}
+    for f in sorted((Path(cache) / "traces").glob("*.json")):
+        kind = f.name.rsplit("-", 1)[0]
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
@@ -76,6 +87,7 @@ def main() -> int:
             config.write_text(json.dumps({"_name_or_path": f"plan-speed-{name}", **hf}))
             cache = str(Path(tmp) / f"cache-{name}")
             cold, cold_cpu, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
+            traced = traces_written(cache)
             warm, warm_cpu, doc = run_plan(config, gpu, gpus, seq, batch, cache, [])
             full = full_cpu = None
             if not opts.no_full:
@@ -86,12 +98,13 @@ def main() -> int:
             row = {"shape": name, "params": doc["model"]["params"], "gpu": gpu, "gpus": gpus, "cold_s": cold,
                    "cold_cpu_s": cold_cpu, "warm_s": warm, "warm_cpu_s": warm_cpu, "full_search_s": full,
                    "full_search_cpu_s": full_cpu, "layouts_examined": doc["layouts_examined"],
-                   "fits": doc["fits"], "best": label}
+                   "fits": doc["fits"], "best": label, "cold_traces": traced}
             rows.append(row)
             nan = float("nan")
             out.write(f"{name:<6} {row['params'] / 1e9:>8.2f}B {gpu:<9} {gpus:>5} {cold:>7.2f} {cold_cpu:>6.2f} "
                       f"{warm:>7.2f} {warm_cpu:>6.2f} {full if full is not None else nan:>7.2f} "
-                      f"{full_cpu if full_cpu is not None else nan:>6.2f} {row['layouts_examined']:>8}  {label}\n")
+                      f"{full_cpu if full_cpu is not None else nan:>6.2f} {row['layouts_examined']:>8}  {label}\n"
+                      f"       cold plan traced: {', '.join(f'{n} {k}' for k, n in traced.items())}\n")
             out.flush()
     out.write(f"load average at end: {os.getloadavg()[0]:.2f}\n")
     if opts.json:
