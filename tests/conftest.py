@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from groups import APPROX_RUNS, APPROX_STEPS, VERIFY, launch
 from helpers import CLIResult, run_cli
 
 __all__ = ["CLIResult", "run_cli"]
@@ -34,3 +35,22 @@ def cli_inproc(tmp_path, monkeypatch, capsys):
         return CLIResult(exc.value.code, out.out, out.err)
 
     return _run
+
+
+# -- the shared process groups of groups.py --------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero1-ckpt")
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory, ckpt_dir):
+    spec = {"verify": VERIFY[2], "comm": True, "ckpt_save": str(ckpt_dir),
+            "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS}}
+    return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=500)
+
+
+@pytest.fixture(scope="session")
+def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
+    return launch(4, {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir)}, tmp_path_factory.mktemp("dp4"), timeout=500)
+

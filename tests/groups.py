@@ -1,6 +1,6 @@
-"""One process group per world size for this folder's verify-style checks (dp_worker.py), shared by the
-data-, tensor- and context-parallel tests: a launch costs seconds of interpreter and torch start-up per rank,
-the checks inside it far less.
+"""One process group per world size for the suite's verify-style checks (tests/parallel/dp_worker.py), shared
+by the data-, tensor- and context-parallel tests and the tied GPT-2 ones: a launch costs seconds of interpreter
+and torch start-up per rank, the checks inside it far less. The fixtures are in tests/conftest.py.
 
 Parity reference: bench/verify.py's single-device run of the same seed and batches at fp32 tolerances (loss
 1e-5 relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). The `paratrain verify` command itself (its
@@ -15,16 +15,15 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from helpers import cli_env
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel", "dp_worker.py")
 
 APPROX_STEPS = 300
 APPROX_RUNS = {"ddp": {}, "fp16": {"ddp_comm_hook": "fp16"}, "powersgd": {"ddp_comm_hook": "powersgd"},
                "local_sgd": {"local_sgd_period": 4}}
 
+GPT2_TIED = ("ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "cp-ring")
 ZERO = [{"id": s, "strategy": s} for s in ("zero1", "zero2", "zero3")]
 # what each world size verifies, by id; the TP and CP cases run 3 steps, as `paratrain verify --steps 3` did
 VERIFY = {
@@ -32,7 +31,9 @@ VERIFY = {
         {"id": "tp2", "strategy": "tp", "steps": 3},
         {"id": "tp-sp2", "strategy": "tp-sp", "steps": 3},
         {"id": "cp-ring2", "strategy": "cp-ring", "steps": 3},
-        {"id": "cp-ulysses2", "strategy": "cp-ulysses", "steps": 3}],
+        {"id": "cp-ulysses2", "strategy": "cp-ulysses", "steps": 3},
+        # GPT-2's tied embedding and frozen key bias under every strategy that can hold a tied table
+        *[{"id": f"gpt2-{s}", "strategy": s, "model": "gpt2-tiny", "steps": 3} for s in GPT2_TIED]],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},
@@ -46,26 +47,8 @@ def launch(nproc: int, spec: dict, tmp_path, timeout: int) -> dict:
     spec_file = tmp_path / f"spec-{nproc}.json"
     spec_file.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(HERE, "dp_worker.py"), str(spec_file)]
+           WORKER, str(spec_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(),
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="session")
-def ckpt_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("zero1-ckpt")
-
-
-@pytest.fixture(scope="session")
-def two_ranks(tmp_path_factory, ckpt_dir):
-    spec = {"verify": VERIFY[2], "comm": True, "ckpt_save": str(ckpt_dir),
-            "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS}}
-    return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=500)
-
-
-@pytest.fixture(scope="session")
-def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
-    return launch(4, {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir)}, tmp_path_factory.mktemp("dp4"), timeout=500)
-
