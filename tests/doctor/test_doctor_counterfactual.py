@@ -33,7 +33,7 @@ def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
     # medians over the rounds (each timed step follows an untimed one of its kind: no separate warm-up round)
     two, one, cf, no_sync, alone, sync = (statistics.median(got[k]) for k in
                                           ("two_s", "one_s", "cf_s", "no_sync_s", "alone_s", "sync_s"))
-    broken = statistics.median(got["broken_s"])  # all three rounds: one load spike must not decide it
+    broken = statistics.median(got["broken_s"])  # every round, as the honest probe: one load spike must not decide it
     measured = two - one
     assert measured > 0, got
     detail = (f"two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; probe {cf:.4f} s (sync {sync:.4f} s, "
