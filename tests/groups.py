@@ -52,3 +52,8 @@ def launch(nproc: int, spec: dict, tmp_path, timeout: int) -> dict:
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def verified(group: dict, case: str) -> dict:
+    """The verify report of one VERIFY id from a group's result."""
+    return next(r for r in group["verify"] if r["id"] == case)

@@ -189,7 +189,7 @@ def load_config(path: str | None, overrides: dict) -> TrainConfig:
 
 
 def check_names(cfg: TrainConfig) -> None:
-    from paratrain.models.hf_model import hf_location, is_hf_model
+    from paratrain.models.hf_files import hf_location, is_hf_model
     from paratrain.models.presets import get_preset
 
     if cfg.strategy not in STRATEGIES:

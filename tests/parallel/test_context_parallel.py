@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from groups import verified
 from helpers import cli_env
 from paratrain.errors import UserError
 from paratrain.parallel.checks import check_cp
@@ -79,14 +80,14 @@ def _verify(cli, *args: str, timeout: float = 280) -> dict:
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("case", ["cp-ring2", "cp-ulysses2"])
 def test_verify_cp_two_ranks(two_ranks, case):
-    report = {r["id"]: r for r in two_ranks["verify"]}[case]
+    report = verified(two_ranks, case)
     assert report["passed"] is True, report
     assert report["dims"]["cp"] == 2 and report["world_size"] == 2
 
 
 @pytest.mark.timeout(500)
 def test_verify_fsdp_times_cp_four_ranks(four_ranks):
-    report = {r["id"]: r for r in four_ranks["verify"]}["fsdp2xcp2"]
+    report = verified(four_ranks, "fsdp2xcp2")
     assert report["passed"] is True, report
     assert report["dims"]["dp_shard"] == 2 and report["dims"]["cp"] == 2
 

@@ -12,8 +12,9 @@ import re
 
 import pytest
 
+from groups import APPROX_STEPS  # the shared two-rank group trains each approximate method this long
+
 PSI = 131392  # parameters of the tiny preset
-APPROX_STEPS = 300  # conftest.py's two_ranks group trains each approximate method this long
 
 
 def dp_reports(group: dict) -> dict:

@@ -15,6 +15,7 @@ import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from groups import verified
 from helpers import cli_env
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
@@ -98,7 +99,7 @@ def test_tp_parity_worker_two_ranks():
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("case, tp, world", [("tp2", 2, 2), ("tp-sp2", 2, 2), ("tp4", 4, 4), ("fsdp2xtp2", 2, 4)])
 def test_verify_passes_fp32(two_ranks, four_ranks, case, tp, world):
-    report = {r["id"]: r for r in (two_ranks if world == 2 else four_ranks)["verify"]}[case]
+    report = verified(two_ranks if world == 2 else four_ranks, case)
     assert report["passed"] and report["dtype"] == "fp32", report
     assert report["dims"]["tp"] == tp and report["world_size"] == world
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models.hf_files import HF_PREFIX, hf_location, is_hf_model, read_hf_config  # noqa: F401
+from paratrain.models.hf_files import hf_location, read_hf_config
 
 
 def require_transformers():

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
-from paratrain.models.hf_model import build_hf_model, check_hf_run, is_hf_model
+from paratrain.models.hf_files import is_hf_model
+from paratrain.models.hf_model import build_hf_model, check_hf_run
 from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for

@@ -6,7 +6,8 @@ import os
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.models.hf_model import check_hf_run, is_hf_model
+from paratrain.models.hf_files import is_hf_model
+from paratrain.models.hf_model import check_hf_run
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
