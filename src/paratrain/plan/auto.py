@@ -61,6 +61,7 @@ def plan_for_auto(cfg):
     import dataclasses
 
     from paratrain.models.presets import model_args_for
+    from paratrain.plan.gc_pause import gc_paused
     from paratrain.plan.search import Job, search
     from paratrain.train.validate import world_size_for
 
@@ -76,7 +77,8 @@ def plan_for_auto(cfg):
         raise UserError(f"--strategy auto: the hardware profile has no {cfg.dtype} figures")
     fixed = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
              "micro_batch": cfg.micro_batch, "ac": cfg.ac if cfg.ac != "none" else None}
-    feasible, infeasible, _ = search(job, profile, fixed)
+    with gc_paused():
+        feasible, infeasible, _ = search(job, profile, fixed)
     if not feasible:
         closest = infeasible[0].memory.total / 2**30 if infeasible else float("nan")
         raise UserError(f"--strategy auto: no layout of {cfg.model} fits {world} x {profile.gpu.name} "

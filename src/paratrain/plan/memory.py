@@ -189,12 +189,19 @@ def _stage_layout(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[
     return cached("stages", key, lambda: _split(args, pp, virtual, seq_len), lambda doc: [tuple(x) for x in doc])
 
 
-def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
+@functools.lru_cache(maxsize=2)
+def _meta_model(args: ModelArgs):
+    """The whole model on the meta device, built once per shape for every pipeline split the search tries
+    (split_into_stages only reads its layers' sizes; at 80 layers a build costs ~35 ms)."""
     from paratrain.models.presets import build_model
+
+    return build_model(args, "meta", seed=None)
+
+
+def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
     from paratrain.parallel.pipeline_split import split_into_stages, stage_ranks
 
-    model = build_model(args, "meta", seed=None)
-    specs = split_into_stages(model, pp, virtual, seq_len)
+    specs = split_into_stages(_meta_model(args), pp, virtual, seq_len)
     ranks = stage_ranks(pp, len(specs))
     out = []
     for spec in specs:

@@ -7,6 +7,7 @@ import math
 
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
+from paratrain.plan.gc_pause import gc_paused
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import GIB
 from paratrain.plan.search import (
@@ -132,6 +133,11 @@ def rank_on_cluster(job: Job, cluster, feasible: list[Candidate], top: int) -> t
 
 def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exhaustive: bool = False,
                   cluster=None) -> dict:
+    with gc_paused():
+        return _plan_document(job, hw, fixed, top, exhaustive, cluster)
+
+
+def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaustive: bool, cluster) -> dict:
     from paratrain.models.presets import count_params
 
     feasible, infeasible, examined = search(job, hw, fixed, exhaustive)
