@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -453,6 +454,7 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
     sys.stderr.write(format_plan(doc))
     if as_json:
         emit_json(doc)
+    _skip_teardown["ok"] = True
 
 
 # -- launch --------------------------------------------------------------------------------------------------------
@@ -504,6 +506,18 @@ def _one_line(exc: object) -> str:
 
 
 # -- entry point ---------------------------------------------------------------------------------------------------
+# Set by a command whose work is all written (nothing left for atexit handlers). Tearing down an interpreter that
+# imported torch frees millions of objects: ~0.7 s measured on a 2-core machine, a seventh of a cold `plan`.
+_skip_teardown = {"ok": False}
+
+
+def _exit_without_teardown() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
@@ -528,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
         if type(exc).__name__ in ("Exit", "Abort") and hasattr(exc, "exit_code"):
             sys.exit(exc.exit_code)
         raise
+    if argv is None and _skip_teardown["ok"] and not code:  # the `paratrain` process itself, not an in-process caller
+        _exit_without_teardown()
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -153,3 +153,30 @@ def test_last_part_optimizer_derived_equals_traced(monkeypatch, device_type, tp)
     parts = {p: tr.trace_optimizer(TINY, p, tp, device_type, 1) for p in ("whole", "first", "middle")}
     wrong = tr._plus_one_block(parts["whole"], parts["middle"], parts["first"])
     assert wrong.optimizer != want.optimizer and wrong.phases["optimizer"] != want.phases["optimizer"]
+
+
+def test_first_micro_batch_is_derived_from_the_accumulating_pass(monkeypatch):
+    """One traced pass gives both micro-batch kinds (units.py): the first one's live bytes are the accumulating
+    one's minus the gradients autograd has not made yet. Checked against trace_once, which runs both kinds; and
+    the fault: if no gradient is ever counted as made, the first micro-batch's peak comes out wrong."""
+    import torch
+
+    from paratrain.plan.compose import unit_key
+
+    key = TraceKey(args=TINY, seq_len=32, micro_batch=2, ac="selective")
+    direct = trace_once(key, 3)
+    ut = units.trace_units(unit_key(key, 2))
+    # fp32 parameters: every gradient is made once, as big as its parameter
+    assert sum(ut.seg("first", u, "bwd").grads_end for u in units.UNITS) == sum(ut.params.values())
+    composed = Composed(key)
+    composed.ut = ut
+    composed._walks.clear()
+    good = composed.phase("first_mb", 3)
+    assert abs(good.total / direct.phases["first_mb"].total - 1) < 0.02
+    assert good.grads == direct.phases["first_mb"].grads > 0
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", lambda self, hook: None)
+    composed.ut = units.trace_units(unit_key(key, 2))
+    composed._walks.clear()
+    bad = composed.phase("first_mb", 3)
+    assert bad.grads == 0 and abs(bad.total / direct.phases["first_mb"].total - 1) > 0.02  # outside the tolerance

@@ -1,6 +1,14 @@
 """Unit traces: the rank's model traced once with ONE block, cut into segments (pre, block, head) x (forward,
 backward) x (first micro-batch, accumulating micro-batch), at micro-batch 1 and 2.
 
+One forward and backward gives both kinds of micro-batch. It runs as an accumulating micro-batch (every
+gradient exists before it starts, and autograd adds into it in place). The first micro-batch differs only in
+that a parameter's gradient does not exist until autograd makes it: autograd hands the freshly computed
+gradient over as `.grad` where the accumulating pass adds it in and frees it, so at any moment its live bytes
+are the accumulating pass's minus the gradients of the parameters not yet reached. Both timelines are read at
+every op, so each segment's peak, end and gradient bytes are exact for both (one pass instead of two: half
+the trace time).
+
 A part of any depth and any micro-batch is then composed from the segments (compose.py): the embedding, L
 identical blocks and the head run forward in order and backward in reverse, so a phase's peak is the highest
 (live bytes before a segment + that segment's own peak) along the walk. Every quantity a segment records is
@@ -16,7 +24,6 @@ from dataclasses import dataclass, field
 from paratrain.models.args import ModelArgs
 
 UNITS = ("pre", "block", "head")
-PASSES = ("first", "next")
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
                         born[id(st)] = (weakref.ref(st), state["unit"])
         if state["phase"] and len(flat[state["phase"]]) > before:
             ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
+        sample_first()
 
     with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
@@ -117,42 +125,63 @@ def trace_units(key: UnitKey) -> UnitTrace:
         tracker = LiveTensorTracker(on_peak=lambda: {"grads": tracker.bytes_of(
             [p.grad for p in params if p.grad is not None])}, op_hook=hook, resync=False)
         cut = {"live": 0, "grads": 0, "name": None}
+        # the first micro-batch's timeline: bytes of the gradients it would not have made yet, and its peak
+        missing = {"bytes": 0, "params": set()}
+        first = {"peak": 0, "missing_at_peak": 0}
 
         def grads_now() -> int:
             return tracker.bytes_of([p.grad for p in params if p.grad is not None])
 
-        def boundary(name: str | None, pas: str) -> None:
+        def first_live() -> int:
+            return tracker.current - missing["bytes"]
+
+        def sample_first() -> None:  # after every op, where the tracker samples its own peak
+            if first_live() > first["peak"]:
+                first.update(peak=first_live(), missing_at_peak=missing["bytes"])
+
+        def made(p) -> None:  # autograd has accumulated p's gradient: the first micro-batch now holds it too
+            if id(p) in missing["params"]:
+                missing["params"].discard(id(p))
+                missing["bytes"] -= tracker.bytes_of([p.grad])
+
+        def boundary(name: str | None) -> None:
             """Close the open segment (if any) and open `name`."""
             if cut["name"] is not None:
                 info = tracker.peak_info or {"grads": cut["grads"]}
-                g = grads_now()
-                seg = Segment(peak=tracker.peak - cut["live"], end=tracker.current - cut["live"],
-                              grads_peak=info["grads"] - cut["grads"], grads_end=g - cut["grads"],
-                              mark=cut.get("mark", 0.0))
-                result.segments[f"{pas}/{cut['name']}"] = seg
+                result.segments[f"next/{cut['name']}"] = Segment(
+                    peak=tracker.peak - cut["live"], end=tracker.current - cut["live"],
+                    grads_peak=info["grads"] - cut["grads"], grads_end=grads_now() - cut["grads"], mark=cut["mark"])
+                result.segments[f"first/{cut['name']}"] = Segment(
+                    peak=first["peak"] - cut["first_live"], end=first_live() - cut["first_live"],
+                    grads_peak=cut["missing"] - first["missing_at_peak"], grads_end=cut["missing"] - missing["bytes"],
+                    mark=cut["first_mark"])
             tracker.reset_peak()
-            cut.update(live=tracker.current, grads=grads_now(), name=name, mark=0.0)
+            first.update(peak=first_live(), missing_at_peak=missing["bytes"])
+            cut.update(live=tracker.current, grads=grads_now(), name=name, mark=0.0, first_live=first_live(),
+                       missing=missing["bytes"], first_mark=0.0)
             if name is not None:
                 unit, direction = name.split("/")
                 state["unit"] = unit
                 log.unit = unit
 
         block = list(model.layers.values())[0]
-        pas_now = {"pas": "first"}
 
         def block_pre(mod, args):
-            boundary("block/fwd", pas_now["pas"])
+            boundary("block/fwd")
             x = args[0]
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda g: boundary("pre/bwd", pas_now["pas"]))
+                x.register_hook(lambda g: boundary("pre/bwd"))
 
         def block_post(mod, args, out):
             result.block_out = out.numel() * out.element_size()
-            boundary("head/fwd", pas_now["pas"])
-            out.register_hook(lambda g: boundary("block/bwd", pas_now["pas"]))
+            boundary("head/fwd")
+            out.register_hook(lambda g: boundary("block/bwd"))
+
+        def at_logits_grad(g):
+            cut.update(mark=tracker.current - cut["live"], first_mark=first_live() - cut["first_live"])
 
         def logits_post(mod, args, out):
-            out.register_hook(lambda g: cut.__setitem__("mark", tracker.current - cut["live"]))
+            out.register_hook(at_logits_grad)
 
         block.register_forward_pre_hook(block_pre)
         block.register_forward_hook(block_post)
@@ -165,32 +194,33 @@ def trace_units(key: UnitKey) -> UnitTrace:
                 result.params[unit] = tracker.bytes_of(ps)
                 result.param_count[unit] = sum(p.numel() for p in ps)
                 result.param_tensors[unit] = sum(p.requires_grad for p in ps)
-            for i, pas in enumerate(PASSES):
-                last = i == len(PASSES) - 1
-                pas_now["pas"] = pas
-                log.active = last
-                boundary("pre/fwd", pas)
-                state["phase"], log.phase = ("fwd" if last else None), "fwd"
-                inputs = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
-                positions = torch.arange(seq_local)
-                with autocast_context("cpu", key.dtype):
-                    out = model(inputs, positions=positions)
-                    inside = {k: v[1] for k, v in tracker._live.items()}
-                if i == 0:
-                    # leaving autocast frees its cached low-precision weight copies (those no op saved for the
-                    # backward): each unit's share, freed once for all blocks at the end of the forward
-                    for k, nbytes in inside.items():
-                        if k not in tracker._live:
-                            unit = born.get(k, (None, "pre"))[1]
-                            result.exit_freed[unit] = result.exit_freed.get(unit, 0) + nbytes
-                targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
-                loss = lm_loss(out, targets)
-                boundary("head/bwd", pas)
-                state["phase"], log.phase = ("bwd" if last else None), "bwd"
-                loss.backward()
-                del loss, targets, out, inputs
-                boundary(None, pas)
-                state["phase"] = None
+            for p in params:  # the accumulating micro-batch's gradients, there before it starts
+                p.grad = torch.zeros_like(p)
+                missing["params"].add(id(p))
+                missing["bytes"] += tracker.bytes_of([p.grad])
+                p.register_post_accumulate_grad_hook(made)
+            log.active = True
+            boundary("pre/fwd")
+            state["phase"], log.phase = "fwd", "fwd"
+            inputs = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+            positions = torch.arange(seq_local)
+            with autocast_context("cpu", key.dtype):
+                out = model(inputs, positions=positions)
+                inside = {k: v[1] for k, v in tracker._live.items()}
+            # leaving autocast frees its cached low-precision weight copies (those no op saved for the backward):
+            # each unit's share, freed once for all blocks at the end of the forward
+            for k, nbytes in inside.items():
+                if k not in tracker._live:
+                    unit = born.get(k, (None, "pre"))[1]
+                    result.exit_freed[unit] = result.exit_freed.get(unit, 0) + nbytes
+            targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
+            loss = lm_loss(out, targets)
+            boundary("head/bwd")
+            state["phase"], log.phase = "bwd", "bwd"
+            loss.backward()
+            del loss, targets, out, inputs
+            boundary(None)
+            state["phase"] = None
     result.ops = ops
     result.comm = {k: list(v) for k, v in log.by_unit.items()}
     return result
