@@ -454,7 +454,7 @@ def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset
     sys.stderr.write(format_plan(doc))
     if as_json:
         emit_json(doc)
-    _skip_teardown["ok"] = True
+    _skip_teardown["ok"] = not calibrate  # calibration's launcher may leave cleanup to atexit
 
 
 # -- launch --------------------------------------------------------------------------------------------------------

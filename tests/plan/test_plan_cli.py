@@ -112,3 +112,32 @@ def test_a_plan_from_the_trace_cache_does_not_import_torch(tmp_path):
     assert "torch imported: True" in runs[0].stderr  # the cold run traced
     assert "torch imported: False" in runs[1].stderr, runs[1].stderr[-2000:]
     assert json.loads(runs[0].stdout)["candidates"] == json.loads(runs[1].stdout)["candidates"]
+
+
+_AS_THE_CLI = """
+import atexit, sys
+atexit.register(lambda: sys.stderr.write("atexit ran\\n"))
+from paratrain.cli import main
+sys.argv = ["paratrain", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_process_skips_teardown_after_a_plan_and_only_then():
+    """`paratrain plan` leaves with os._exit once its output is flushed (interpreter teardown with torch imported
+    costs ~0.7 s): atexit handlers do not run, and the JSON is whole. A failing command exits as before."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    ok = ["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--seq-len", "64", "--global-batch", "8",
+          "--dtype", "fp32", "--json"]
+    runs = [subprocess.run([sys.executable, "-c", _AS_THE_CLI, *argv], capture_output=True, text=True, env=cli_env(),
+                           timeout=240, cwd=os.getcwd()) for argv in (ok, ok[:-3] + ["--gpus", "0", "--json"])]
+    assert runs[0].returncode == 0, runs[0].stderr[-2000:]
+    assert json.loads(runs[0].stdout)["candidates"] and "atexit ran" not in runs[0].stderr
+    assert "# strategy" in runs[0].stderr  # the table on stderr was flushed too
+    assert runs[1].returncode == 2 and "atexit ran" in runs[1].stderr, runs[1].stderr[-2000:]
