@@ -122,15 +122,11 @@ def trace_units(key: UnitKey) -> UnitTrace:
                                   loss_parallel=key.loss_parallel)
         groups = _unit_of_params(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        tracker = LiveTensorTracker(on_peak=lambda: {"grads": tracker.bytes_of(
-            [p.grad for p in params if p.grad is not None])}, op_hook=hook, resync=False)
-        cut = {"live": 0, "grads": 0, "name": None}
+        tracker = LiveTensorTracker(op_hook=hook, resync=False)
+        cut = {"live": 0, "name": None}
         # the first micro-batch's timeline: bytes of the gradients it would not have made yet, and its peak
         missing = {"bytes": 0, "params": set()}
         first = {"peak": 0, "missing_at_peak": 0}
-
-        def grads_now() -> int:
-            return tracker.bytes_of([p.grad for p in params if p.grad is not None])
 
         def first_live() -> int:
             return tracker.current - missing["bytes"]
@@ -147,17 +143,17 @@ def trace_units(key: UnitKey) -> UnitTrace:
         def boundary(name: str | None) -> None:
             """Close the open segment (if any) and open `name`."""
             if cut["name"] is not None:
-                info = tracker.peak_info or {"grads": cut["grads"]}
+                # the accumulating micro-batch's gradients all exist from the start and grow in place: no
+                # gradient bytes appear within its segments (grads_peak = grads_end = 0)
                 result.segments[f"next/{cut['name']}"] = Segment(
-                    peak=tracker.peak - cut["live"], end=tracker.current - cut["live"],
-                    grads_peak=info["grads"] - cut["grads"], grads_end=grads_now() - cut["grads"], mark=cut["mark"])
+                    peak=tracker.peak - cut["live"], end=tracker.current - cut["live"], mark=cut["mark"])
                 result.segments[f"first/{cut['name']}"] = Segment(
                     peak=first["peak"] - cut["first_live"], end=first_live() - cut["first_live"],
                     grads_peak=cut["missing"] - first["missing_at_peak"], grads_end=cut["missing"] - missing["bytes"],
                     mark=cut["first_mark"])
             tracker.reset_peak()
             first.update(peak=first_live(), missing_at_peak=missing["bytes"])
-            cut.update(live=tracker.current, grads=grads_now(), name=name, mark=0.0, first_live=first_live(),
+            cut.update(live=tracker.current, name=name, mark=0.0, first_live=first_live(),
                        missing=missing["bytes"], first_mark=0.0)
             if name is not None:
                 unit, direction = name.split("/")
