@@ -2,6 +2,7 @@
 raises none; the Prometheus textfile and the 127.0.0.1 endpoint carry the window's figures."""
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -33,6 +34,9 @@ def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli
     assert healthy.returncode == 0, healthy.stderr[-3000:]
     assert events(tmp_path / "healthy", "alert") == [] and "ALERT" not in healthy.stderr
     assert len(events(tmp_path / "healthy", "monitor")) == 4
+    # its own cost rides along in every window (3 steps of a few ms each here, so a loose sanity bound)
+    assert all(0.0 <= w["monitor_s"] and 0.0 <= w["monitor_overhead"] < 0.5
+               for w in events(tmp_path / "healthy", "monitor"))
     # the plain per-step records are still there, one per step
     rows = [json.loads(line) for line in (tmp_path / "healthy" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "event" not in r]
@@ -65,3 +69,60 @@ def test_straggler_and_prometheus_endpoint_in_process(tmp_path):
             assert 'paratrain_rank_busy_seconds{rank="1"} 0.3' in text
         finally:
             monitor.close()
+
+
+def test_each_window_reports_the_monitors_own_time_and_a_slow_write_shows_in_it(tmp_path, monkeypatch):
+    from paratrain.train import monitor as mon
+
+    write = mon.Monitor.write_prometheus
+    slow = {"on": False}
+
+    def maybe_slow(self, window):
+        if slow["on"]:
+            time.sleep(0.05)
+        write(self, window)
+
+    monkeypatch.setattr(mon.Monitor, "write_prometheus", maybe_slow)
+    with (tmp_path / "m.jsonl").open("w") as jsonl:
+        monitor = mon.Monitor(every=2, windows=2, run_dir=tmp_path, jsonl=jsonl, is_main=True)
+        for step in range(1, 10):  # windows end at steps 3, 5, 7 and 9
+            time.sleep(0.01)  # the "step"
+            slow["on"] = step == 5  # the fault: window 5's writes take 50 ms more, counted in window 7
+            monitor.observe({"step": step, "step_time_s": 0.01, "data_wait_s": 0.0, "tokens_per_s": 1000.0})
+    windows = events_in(tmp_path / "m.jsonl", "monitor")
+    assert [w["step"] for w in windows] == [3, 5, 7, 9]
+    by_step = {w["step"]: w for w in windows}
+    # healthy windows: the monitor's bookkeeping is well under the 20 ms of "training" per window
+    for step in (3, 5, 9):
+        assert 0.0 <= by_step[step]["monitor_s"] < 0.01 and by_step[step]["monitor_overhead"] < 0.3, windows
+    assert by_step[7]["monitor_s"] >= 0.05 and by_step[7]["monitor_overhead"] > 0.5, windows
+
+
+def events_in(path, kind):
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == kind]
+
+
+def test_textfile_is_rewritten_at_most_every_few_seconds_at_once_on_an_alert_and_at_close(tmp_path):
+    from paratrain.train.monitor import Monitor
+
+    def step(monitor, n, wait=0.0):
+        monitor.observe({"step": n, "step_time_s": 0.01, "data_wait_s": wait, "tokens_per_s": 1000.0})
+
+    def step_in_file():
+        lines = (tmp_path / "metrics.prom").read_text().splitlines()
+        return next(line for line in lines if line.startswith("paratrain_step "))
+
+    with (tmp_path / "m.jsonl").open("w") as jsonl:
+        monitor = Monitor(every=1, windows=1, run_dir=tmp_path, jsonl=jsonl, is_main=True)
+        step(monitor, 1)
+        step(monitor, 2)
+        assert step_in_file() == "paratrain_step 2"  # the first window is written at once
+        step(monitor, 3)
+        assert step_in_file() == "paratrain_step 2" and "paratrain_step 3" in monitor.latest_text
+        step(monitor, 4, wait=0.005)  # half the step waiting for data: an alert, written at once
+        assert step_in_file() == "paratrain_step 4"
+        assert 'paratrain_alerts_total{cause="data_loading"} 1' in (tmp_path / "metrics.prom").read_text()
+        step(monitor, 5, wait=0.005)  # the same episode: no new alert, so no rewrite
+        assert step_in_file() == "paratrain_step 4"
+        monitor.close()
+        assert step_in_file() == "paratrain_step 5"

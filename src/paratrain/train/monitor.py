@@ -5,7 +5,9 @@ fractions of the step spent waiting for data, in forward+backward, in the optimi
 plus throughput and the slowest rank's busy time against the median rank's. A cause over its threshold for
 `monitor_windows` consecutive windows raises one alert: a line on stderr and an `{"event": "alert"}` line.
 No profiler runs: the timers read `time.perf_counter()` at phase boundaries (no CUDA sync), and the ranks
-exchange one small tensor per window for the straggler check.
+exchange one small tensor per window for the straggler check. Each window also carries the monitor's own cost:
+`monitor_s`, the seconds spent inside `observe` since the previous window (its bookkeeping, that window's
+collective and writes), and `monitor_overhead`, that over the window's wall time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ THRESHOLDS = {
     "straggler": 0.20,         # slowest rank's busy time / the other ranks' median - 1
 }
 HISTORY_FOR_DROP = 3  # windows before a throughput median means anything (the first ones include warm-up)
+# Scrapers read the textfile every 15-60 s; rewriting it for every window (a file create and rename, 0.2-1 ms on
+# rank 0 while its peers wait at the next collective) was most of the monitor's own time on 10 ms steps
+PROM_FILE_EVERY_S = 5.0
 
 
 class PhaseClock:
@@ -64,12 +69,26 @@ class Monitor:
         self.prom_path = run_dir / "metrics.prom" if (run_dir and is_main) else None
         self.server = serve_prometheus(port, self) if (port is not None and is_main) else None
         self.latest_text = ""
+        self.prom_written_at: float | None = None
+        self.prom_alerts = 0  # alerts in the textfile as last written
+        self.own_s = 0.0  # seconds inside observe() since the last window was cut
+        self.window_t0: float | None = None
 
     def observe(self, record: dict) -> None:
         """Called after every step on every rank (the window's straggler exchange is a collective)."""
+        t0 = time.perf_counter()
+        try:
+            self._observe(record, t0)
+        finally:
+            self.own_s += time.perf_counter() - t0
+
+    def _observe(self, record: dict, t0: float) -> None:
         if record["step"] == 1:
             self.clock.take()  # the first step includes one-time setup and the loader's first batch
+            self.window_t0 = time.perf_counter()
             return
+        if self.window_t0 is None:  # resumed past step 1: the window starts where this step did
+            self.window_t0 = t0 - record["step_time_s"]
         self.rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
                           "tokens_per_s": record["tokens_per_s"], "mfu": record.get("mfu"), "step": record["step"]})
         if len(self.rows) < self.every:
@@ -79,12 +98,15 @@ class Monitor:
         step_s = sum(r["step_time_s"] for r in rows)
         busy = step_s - sum(r["data_wait_s"] for r in rows)
         per_rank = gather_busy(busy)
+        now = time.perf_counter()
+        own, self.own_s = self.own_s + (now - t0), -(now - t0)  # the rest of this call counts towards the next
+        wall, self.window_t0 = now - self.window_t0, now
         window = {"event": "monitor", "step": rows[-1]["step"], "steps": len(rows), "step_time_s": step_s / len(rows),
                   "breakdown": {"data_wait": sum(r["data_wait_s"] for r in rows) / step_s,
                                 **{k: v / step_s for k, v in phases.items()}},
                   "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rows),
                   "mfu": statistics.fmean(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
-                  "busy_s_per_rank": per_rank}
+                  "busy_s_per_rank": per_rank, "monitor_s": own, "monitor_overhead": own / wall if wall > 0 else 0.0}
         if self.is_main:
             self.report(window)
 
@@ -123,13 +145,27 @@ class Monitor:
             self.jsonl.flush()
 
     def write_prometheus(self, window: dict) -> None:
+        """The endpoint's text every window; the textfile at most every PROM_FILE_EVERY_S, at once on a new
+        alert, and at close()."""
         self.latest_text = prometheus_text(window, self.alerts)
-        if self.prom_path is not None:
-            tmp = self.prom_path.with_suffix(".prom.tmp")
-            tmp.write_text(self.latest_text)
-            os.replace(tmp, self.prom_path)  # scrapers never see half a file
+        now = time.monotonic()
+        if self.prom_written_at is None or now - self.prom_written_at >= PROM_FILE_EVERY_S or \
+                len(self.alerts) != self.prom_alerts:
+            self.flush_prometheus()
+
+    def flush_prometheus(self) -> None:
+        if self.prom_path is None or not self.latest_text:
+            return
+        tmp = self.prom_path.with_suffix(".prom.tmp")
+        tmp.write_text(self.latest_text)
+        os.replace(tmp, self.prom_path)  # scrapers never see half a file
+        self.prom_written_at, self.prom_alerts = time.monotonic(), len(self.alerts)
 
     def close(self) -> None:
+        try:
+            self.flush_prometheus()
+        except OSError as err:  # close() runs in the trainer's finally: never mask the run's own error
+            log.warning("monitor: could not write %s: %s", self.prom_path, err)
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
