@@ -83,23 +83,19 @@ def test_each_window_reports_the_monitors_own_time_and_a_slow_write_shows_in_it(
         write(self, window)
 
     monkeypatch.setattr(mon.Monitor, "write_prometheus", maybe_slow)
-    with (tmp_path / "m.jsonl").open("w") as jsonl:
+    with (tmp_path / "metrics.jsonl").open("w") as jsonl:
         monitor = mon.Monitor(every=2, windows=2, run_dir=tmp_path, jsonl=jsonl, is_main=True)
         for step in range(1, 10):  # windows end at steps 3, 5, 7 and 9
             time.sleep(0.01)  # the "step"
             slow["on"] = step == 5  # the fault: window 5's writes take 50 ms more, counted in window 7
             monitor.observe({"step": step, "step_time_s": 0.01, "data_wait_s": 0.0, "tokens_per_s": 1000.0})
-    windows = events_in(tmp_path / "m.jsonl", "monitor")
+    windows = events(tmp_path, "monitor")
     assert [w["step"] for w in windows] == [3, 5, 7, 9]
     by_step = {w["step"]: w for w in windows}
     # healthy windows: the monitor's bookkeeping is well under the 20 ms of "training" per window
     for step in (3, 5, 9):
         assert 0.0 <= by_step[step]["monitor_s"] < 0.01 and by_step[step]["monitor_overhead"] < 0.3, windows
     assert by_step[7]["monitor_s"] >= 0.05 and by_step[7]["monitor_overhead"] > 0.5, windows
-
-
-def events_in(path, kind):
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == kind]
 
 
 def test_textfile_is_rewritten_at_most_every_few_seconds_at_once_on_an_alert_and_at_close(tmp_path):
