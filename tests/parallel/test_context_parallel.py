@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from groups import verified
 from helpers import cli_env
 from paratrain.errors import UserError
 from paratrain.parallel.checks import check_cp
 from paratrain.parallel.context_parallel import sequence_sharder
+from paratrain.parallel.cp_comm import CPComm
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.ring_attention import zigzag_positions
+from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
+from paratrain.parallel.ulysses import ulysses_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,6 +73,62 @@ def test_ring_and_ulysses_match_full_sdpa_on_four_ranks():
                 assert result[f"{impl}_cp{cp}_seq{seq}"] <= 1e-5, result
     assert result["ring_bf16_dtype_ok"] is True
     assert "multiple of 2*cp=8" in result["err_seq"] and "heads=6" in result["err_heads"]
+
+
+class ThreadComm(CPComm):
+    """cp ranks as threads of one process: every transfer is a hand-off through a mailbox per (to, what)."""
+
+    def __init__(self, mail: defaultdict, size: int, rank: int):
+        self.mail, self.size, self.rank = mail, size, rank
+        self.steps: list[int] = []
+
+    def ring_step(self, step: int) -> None:
+        self.steps.append(step)
+
+    def shift(self, tensor, tag):
+        self.mail[((self.rank + 1) % self.size, tag)].put(tensor.clone())
+        recv = torch.empty_like(tensor)
+        box = self.mail[(self.rank, tag)]
+        return recv, [SimpleNamespace(wait=lambda: recv.copy_(box.get(timeout=60)))]
+
+    def all_to_all_single(self, out, inp):
+        for j in range(self.size):
+            self.mail[(j, "a2a", self.rank)].put(inp[j].clone())
+        for j in range(self.size):
+            out[j].copy_(self.mail[(self.rank, "a2a", j)].get(timeout=60))
+
+
+@pytest.mark.parametrize("attention", [ring_attention, ulysses_attention])
+def test_attention_runs_over_any_cp_comm(attention):
+    """Ring and Ulysses take their communication as an object (what the planner stands in for): over 4
+    threads handing tensors to each other they match full causal SDPA, outputs and input gradients."""
+    cp, seq = 4, 32
+    q, k, v = (torch.randn(2, 4, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    mail, results, comms = defaultdict(queue.Queue), {}, [None] * cp
+
+    def rank(r: int) -> None:
+        pos = zigzag_positions(seq, cp, r)
+        local = [t.detach().index_select(2, pos).requires_grad_() for t in (q, k, v)]
+        comms[r] = ThreadComm(mail, cp, r)
+        out = attention(*local, group=comms[r])
+        out.pow(2).sum().backward()
+        results[r] = (pos, out.detach(), [t.grad for t in local])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == cp
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
+    for pos, out, grads in results.values():
+        assert torch.allclose(out, full.index_select(2, pos).to(out.dtype), atol=1e-5)
+        for got, ref in zip(grads, want):
+            assert torch.allclose(got, ref.index_select(2, pos), atol=1e-5)
+    if attention is ring_attention:
+        assert comms[0].steps == [0, 1, 2, 3] * 2  # the step hook: the forward's walk, then the backward's
 
 
 def _verify(cli, *args: str, timeout: float = 280) -> dict:

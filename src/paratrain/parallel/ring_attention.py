@@ -17,9 +17,9 @@ The blockwise attention is plain fp32 math (matmul + logsumexp), so the LSE is e
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from paratrain.errors import UserError
+from paratrain.parallel.cp_comm import CPComm, cp_comm, wait_all
 
 _KV_TAG, _DKV_TAG = 71, 72  # distinct tags keep the K/V and dK/dV streams apart on gloo (NCCL ignores tags)
 # query rows are processed in tiles of at most this many score elements (8 MiB in fp32), so a block's
@@ -38,28 +38,6 @@ def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Ten
     return torch.cat([first, second])
 
 
-class _Ring:
-    """The ring of a process group: pass a tensor to the next rank, receive one from the previous."""
-
-    def __init__(self, group):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-
-    def shift(self, tensor: torch.Tensor, tag: int):
-        """Start sending `tensor` forward; return (receive buffer, works to wait on)."""
-        recv = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=tag),
-               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
-        return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
-
-
 def _block_region(step: int, rank: int, cp: int, c: int) -> tuple[slice, slice, bool]:
     """(query rows, key rows, needs the causal mask) for the K/V block held at `step` (see module doc)."""
     src = (rank - step) % cp
@@ -70,11 +48,10 @@ def _block_region(step: int, rank: int, cp: int, c: int) -> tuple[slice, slice, 
     return slice(c, None), slice(None), False
 
 
-def _row_tiles(rows: slice, seq_local: int, kv_len: int, batch_heads: int):
+def _row_tiles(rows: slice, seq_local: int, kv_len: int, batch_heads: int) -> list[slice]:
     start, stop, _ = rows.indices(seq_local)
     step = max(1, TILE_SCORES // max(1, kv_len * batch_heads))
-    for first in range(start, stop, step):
-        yield slice(first, min(first + step, stop))
+    return [slice(first, min(first + step, stop)) for first in range(start, stop, step)]
 
 
 def _causal_mask(rank: int, cp: int, c: int, device) -> torch.Tensor:
@@ -116,8 +93,7 @@ def _grad_block(q, k, v, dout, lse, delta, scale: float, mask):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        ring = _Ring(group)
+    def forward(ctx, q, k, v, ring: CPComm):
         cp, rank = ring.size, ring.rank
         batch, heads, seq_local, _ = q.shape
         if seq_local % 2:
@@ -130,6 +106,7 @@ class RingAttention(torch.autograd.Function):
             out = torch.zeros_like(qf)
             lse = torch.full((batch, heads, seq_local, 1), float("-inf"), device=q.device)
             for step in range(cp):
+                ring.ring_step(step)
                 # Phase 1: post the K/V rotation for the next step first: the transfer overlaps this compute.
                 if step + 1 < cp:
                     next_kv, works = ring.shift(kv, _KV_TAG)
@@ -137,22 +114,22 @@ class RingAttention(torch.autograd.Function):
                 rows, cols, masked = _block_region(step, rank, cp, c)
                 mask = _causal_mask(rank, cp, c, q.device) if masked else None
                 k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
-                for tile in _row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads):
+                for tile in ring.row_tiles(_row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads)):
                     block_out, block_lse = _attend_block(qf[..., tile, :], k_blk, v_blk, scale,
                                                          mask[tile] if masked else None)
                     # Phase 3: merge the partial result into the running output by log-sum-exp.
                     _merge_into(out[..., tile, :], lse[..., tile, :], block_out, block_lse)
                 if step + 1 < cp:
-                    _wait(works)
+                    wait_all(works)
                     kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.ring = ring
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
+        ring = ctx.ring
         cp, rank = ring.size, ring.rank
         batch, heads, seq_local, _ = q.shape
         c, scale = seq_local // 2, q.shape[-1] ** -0.5
@@ -163,6 +140,7 @@ class RingAttention(torch.autograd.Function):
             kv = torch.stack([k.float(), v.float()])
             dkv_recv, dkv_works = None, None
             for step in range(cp):
+                ring.ring_step(step)
                 # Phase 1: post the K/V rotation for the next step (the same ring walk as the forward).
                 if step + 1 < cp:
                     next_kv, kv_works = ring.shift(kv, _KV_TAG)
@@ -171,7 +149,7 @@ class RingAttention(torch.autograd.Function):
                 mask = _causal_mask(rank, cp, c, q.device) if masked else None
                 k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
                 dkv = torch.zeros_like(kv)
-                for tile in _row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads):
+                for tile in ring.row_tiles(_row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads)):
                     bdq, bdk, bdv = _grad_block(qf[..., tile, :], k_blk, v_blk, doutf[..., tile, :],
                                                 lse[..., tile, :], delta[..., tile, :], scale,
                                                 mask[tile] if masked else None)
@@ -180,7 +158,7 @@ class RingAttention(torch.autograd.Function):
                     dkv[1][..., cols, :] += bdv
                 # Phase 3: dK/dV of this block belong to its owner: add ours to what earlier holders summed.
                 if dkv_works is not None:
-                    _wait(dkv_works)
+                    wait_all(dkv_works)
                     dkv += dkv_recv
                 # Phase 4: pass the sum on; the next rank holds this same block at the next step.
                 if cp > 1:
@@ -188,14 +166,15 @@ class RingAttention(torch.autograd.Function):
                 else:
                     dkv_recv = dkv
                 if step + 1 < cp:
-                    _wait(kv_works)
+                    wait_all(kv_works)
                     kv = next_kv
             # Phase 5: after cp hops every block's dK/dV has come home.
             if dkv_works is not None:
-                _wait(dkv_works)
+                wait_all(dkv_works)
         return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
-    """Causal attention over the whole (zigzag-sharded) sequence; q, k, v: (batch, heads, seq_local, dim)."""
-    return RingAttention.apply(q, k, v, group)
+    """Causal attention over the whole (zigzag-sharded) sequence; q, k, v: (batch, heads, seq_local, dim).
+    `group`: the cp process group, or a CPComm standing for one."""
+    return RingAttention.apply(q, k, v, cp_comm(group))

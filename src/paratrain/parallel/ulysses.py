@@ -10,10 +10,10 @@ back into the zigzag layout afterwards.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.errors import UserError
+from paratrain.parallel.cp_comm import CPComm, cp_comm
 from paratrain.parallel.ring_attention import zigzag_positions
 
 
@@ -21,16 +21,16 @@ class _AllToAll(torch.autograd.Function):
     """x: (cp, ...): slot j goes to rank j; slot j of the result came from rank j. Its own adjoint."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, comm: CPComm):
+        ctx.comm = comm
         x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
+        comm.all_to_all_single(out, x)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _AllToAll.apply(grad, ctx.group), None
+        return _AllToAll.apply(grad, ctx.comm), None
 
 
 def _layout_positions(seq_local: int, cp: int, device) -> torch.Tensor:
@@ -46,8 +46,10 @@ def check_ulysses_heads(heads: int, cp: int) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
-    """Causal attention over the whole sequence; q, k, v: (batch, heads, seq_local, dim), zigzag-sharded."""
-    cp = dist.get_world_size(group)
+    """Causal attention over the whole sequence; q, k, v: (batch, heads, seq_local, dim), zigzag-sharded.
+    `group`: the cp process group, or a CPComm standing for one."""
+    comm = cp_comm(group)
+    cp = comm.size
     heads, seq_local = q.shape[1], q.shape[2]
     check_ulysses_heads(heads, cp)
     layout = _layout_positions(seq_local, cp, q.device)
@@ -56,7 +58,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) 
     # Phase 1: sequence-sharded -> head-sharded. Slot j carries head group j to rank j.
     qkv = torch.stack([q, k, v])  # (3, b, h, s_local, d)
     send = qkv.unflatten(2, (cp, heads // cp)).movedim(2, 0)  # (cp, 3, b, h/cp, s_local, d)
-    recv = _AllToAll.apply(send, group)  # slot j: rank j's tokens of our head group
+    recv = _AllToAll.apply(send, comm)  # slot j: rank j's tokens of our head group
     full = recv.movedim(0, 3).flatten(3, 4)  # (3, b, h/cp, s, d) in the gathered (zigzag) order
     full = full.index_select(3, natural)
 
@@ -65,5 +67,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) 
 
     # Phase 3: head-sharded -> sequence-sharded. Slot j carries rank j's tokens back to it.
     out = out.index_select(2, layout).unflatten(2, (cp, seq_local)).movedim(2, 0)  # (cp, b, h/cp, s_local, d)
-    back = _AllToAll.apply(out, group)  # slot j: head group j of our tokens
+    back = _AllToAll.apply(out, comm)  # slot j: head group j of our tokens
     return back.movedim(0, 1).flatten(1, 2)  # (b, h, s_local, d)

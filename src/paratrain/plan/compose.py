@@ -13,7 +13,7 @@ import difflib
 import functools
 from dataclasses import dataclass
 
-from paratrain.plan.trace import PhasePeak, TraceKey, _quiet, trace_optimizer
+from paratrain.plan.trace import PhasePeak, TraceKey, quiet_logs, trace_optimizer
 from paratrain.plan.units import Segment, UnitKey, UnitTrace, unit_trace
 
 
@@ -227,5 +227,5 @@ def trace(key: TraceKey, layers: int | None = None):
 
 @functools.lru_cache(maxsize=4096)
 def _composed(key: TraceKey):
-    with _quiet():
+    with quiet_logs():
         return Composed(key)

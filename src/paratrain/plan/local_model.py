@@ -3,8 +3,9 @@
 TP reads the model family's own plan (models/plans.py) and shrinks every Colwise/Rowwise layer to its local
 shape; the collectives the DTensor styles would run are simulated in hooks by ops that allocate what the
 real ones allocate (a sequence all-gather makes a full-length tensor, a reduce-scatter a 1/tp one), and each
-is logged with its payload. CP runs the real ring / Ulysses attention code over a simulated group. AC applies
-the real apply_ac. So what the trace saves for backward is what the runtime would save, shard for shard.
+is logged with its payload. CP runs the real ring / Ulysses attention code over a simulated group: a CPComm,
+the interface through which that code does all its communication. AC applies the real apply_ac. So what the
+trace saves for backward is what the runtime would save, shard for shard.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.models.llama import ModelArgs
+from paratrain.parallel.cp_comm import CPComm
 
 STAGE_PARTS = ("whole", "first", "middle", "last")
 
@@ -138,9 +140,12 @@ def _gather_last(x: torch.Tensor, tp: int, log: CommLog) -> torch.Tensor:
 
 def simulate_tp(model: nn.Module, plan: dict, tp: int, log: CommLog) -> None:
     """Shrink the layers a TP plan shards and hook in the collectives its styles would run."""
+    # The styles' own _apply needs a real device mesh and runs real collectives, so their effect is mirrored
+    # here from each style's public fields (input/output layouts, use_local_output) and its torch class.
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
         RowwiseParallel,
     )
@@ -149,7 +154,7 @@ def simulate_tp(model: nn.Module, plan: dict, tp: int, log: CommLog) -> None:
 
     def halves(style) -> tuple:
         """(input style, output style) of a layout-preparing style (PrepareModuleInputOutput has both)."""
-        if hasattr(style, "prepare_module_input"):
+        if isinstance(style, PrepareModuleInputOutput):
             return style.prepare_module_input, style.prepare_module_output
         return (style if isinstance(style, PrepareModuleInput) else None,
                 style if isinstance(style, PrepareModuleOutput) else None)
@@ -201,6 +206,10 @@ def _redistribute(x: torch.Tensor, have, want, tp: int, log: CommLog, feeds_colw
 
 def _track_dtensor_boundary(module: nn.Module, style, log: CommLog) -> None:
     """Inputs a style wraps become DTensors; outputs it hands back as local tensors stop being ones."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from paratrain.models.tp_styles import ReplicateParallel
+
     if log.dtensor is None:
         return
     for p in module.parameters(recurse=False):
@@ -212,9 +221,9 @@ def _track_dtensor_boundary(module: nn.Module, style, log: CommLog) -> None:
 
     def post(mod, args, out):
         local = getattr(style, "use_local_output", None)
-        if local is None and hasattr(style, "prepare_module_output"):
+        if local is None and isinstance(style, PrepareModuleInputOutput):
             local = style.prepare_module_output.use_local_output
-        if local or type(style).__name__ == "ReplicateParallel":
+        if local or isinstance(style, ReplicateParallel):
             log.untag(out)
 
     module.register_forward_pre_hook(pre)
@@ -261,29 +270,6 @@ def _colwise_pre_hook(style, tp: int, log: CommLog, owns_input: bool):
 
 
 # -- context parallel --------------------------------------------------------------------------------------------
-class _SimRing:
-    """Stands in for ring_attention._Ring: same size and rank, shifts allocate the receive buffer only."""
-
-    size = 1
-    rank = 0
-    log: CommLog | None = None
-    steps: _RingSteps | None = None
-    kv_tag: int = 0
-
-    def __init__(self, group):
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-
-    def shift(self, tensor: torch.Tensor, tag: int):
-        if self.steps is not None and tag == self.kv_tag:
-            # a K/V shift opens the next ring step (the forward and backward post it first): weigh from here
-            self.steps.enter(self.steps.following())
-        recv = torch.empty_like(tensor)
-        if self.log is not None:
-            for _ in range(self.steps.weight if self.steps is not None else 1):
-                self.log.add("p2p", _nbytes(tensor), "cp")
-        return recv, []
-
-
 class _RingSteps:
     """Ring attention on a simulated ring of 3 standing for one of `cp` > 3: its steps 1 .. cp-2 are alike
     (rank 0 holds a K/V block from a later rank: the same shapes, unmasked, the same shifts), so the one
@@ -293,85 +279,64 @@ class _RingSteps:
 
     def __init__(self, cp: int, log: CommLog):
         self.cp, self.log = cp, log
-        self.last: int | None = None  # the ring step running now (None: before the first call)
         self.weight = 1
 
-    def following(self) -> int:
-        return 0 if self.last is None or self.last == self.size - 1 else self.last + 1
-
     def enter(self, step: int) -> None:
-        self.last = step
         self.weight = self.cp - 2 if step == 1 else 1
         self.log.op_weight = self.weight
 
 
-class _SimDist:
-    """Stands in for torch.distributed inside ulysses.py: a group of `size`, all-to-all as a local copy."""
+class SimulatedCP(CPComm):
+    """The cp group the planner's attention runs over: rank 0 of `size`; a transfer allocates what it
+    receives and logs its payload. With `steps`, ring attention's alike middle steps count as many as they
+    stand for."""
 
-    def __init__(self, size: int, log: CommLog):
-        self.size, self.log = size, log
+    def __init__(self, size: int, log: CommLog, steps: _RingSteps | None = None):
+        self.size, self.rank, self.log, self.steps = size, 0, log, steps
 
-    def get_world_size(self, group=None) -> int:
-        return self.size
+    def _step_weight(self) -> int:
+        return self.steps.weight if self.steps is not None else 1
 
-    def all_to_all_single(self, out, inp, group=None):
+    def ring_step(self, step: int) -> None:
+        if self.steps is not None:
+            self.steps.enter(step)
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(tensor)
+        for _ in range(self._step_weight()):
+            self.log.add("p2p", _nbytes(tensor), "cp")
+        return recv, []
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.log.add("all_to_all", _nbytes(inp), "cp")
 
-
-@contextlib.contextmanager
-def simulated_cp(cp: int, log: CommLog, ac: str = "none"):
-    """Run the real ring / Ulysses code against a simulated cp group (module globals patched, restored).
-    Ring attention's alike middle steps are traced once and weighted (_RingSteps), except under selective
-    AC: its policy saves each step's matmul outputs for the backward, so the live bytes grow with every
-    step and the whole ring is walked."""
-    from paratrain.parallel import ring_attention, ulysses
-
-    steps = _RingSteps(cp, log) if cp > _RingSteps.size and ac != "selective" else None
-    ring_cls = type("SimRing", (_SimRing,), {"size": steps.size if steps else cp, "rank": 0, "log": log,
-                                             "steps": steps, "kv_tag": getattr(ring_attention, "_KV_TAG", 0)})
-    row_tiles = getattr(ring_attention, "_row_tiles", None)
-    block_region = ring_attention._block_region
-
-    def step_weight() -> int:
-        return steps.weight if steps is not None else 1
-
-    def first_tile_only(*args):
+    def row_tiles(self, tiles: list[slice]):
         # the tiles of one block are alike: trace the first and count its ops once per tile
-        tiles = list(row_tiles(*args))
         if not tiles:
             return
-        log.op_weight = len(tiles) * step_weight()
+        self.log.op_weight = len(tiles) * self._step_weight()
         try:
             yield tiles[0]
         finally:
-            log.op_weight = step_weight()
-
-    def weighted_region(step, rank, size, c):
-        steps.enter(step)  # the last step posts no K/V shift: its region opens it
-        return block_region(step, rank, size, c)
-
-    saved = ring_attention._Ring, ulysses.dist, row_tiles, block_region
-    ring_attention._Ring, ulysses.dist = ring_cls, _SimDist(cp, log)
-    if row_tiles is not None:
-        ring_attention._row_tiles = first_tile_only
-    if steps is not None:
-        ring_attention._block_region = weighted_region
-    try:
-        yield
-    finally:
-        ring_attention._Ring, ulysses.dist = saved[:2]
-        ring_attention._block_region = block_region
-        log.op_weight = 1
-        if row_tiles is not None:
-            ring_attention._row_tiles = row_tiles
+            self.log.op_weight = self._step_weight()
 
 
-def cp_attention(impl: str):
+def simulated_cp(cp: int, impl: str, ac: str, log: CommLog) -> SimulatedCP:
+    """The simulated group for `impl` attention at `cp`. Ring attention's alike middle steps are traced once
+    and weighted (_RingSteps), except under selective AC: its policy saves each step's matmul outputs for the
+    backward, so the live bytes grow with every step and the whole ring is walked."""
+    if impl == "ring" and cp > _RingSteps.size and ac != "selective":
+        steps = _RingSteps(cp, log)
+        return SimulatedCP(steps.size, log, steps)
+    return SimulatedCP(cp, log)
+
+
+def cp_attention(impl: str, comm: CPComm):
     from paratrain.parallel.ring_attention import ring_attention
     from paratrain.parallel.ulysses import ulysses_attention
 
     fn = ring_attention if impl == "ring" else ulysses_attention
-    return lambda q, k, v: fn(q, k, v, group=None)
+    return lambda q, k, v: fn(q, k, v, group=comm)
 
 
 # -- the rank's model --------------------------------------------------------------------------------------------
@@ -403,7 +368,7 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
         if tied:  # one shard of the table serves the lookup and the head, as under TiedColwiseParallel
             model.output.weight = model.tok_embeddings.tokens.weight
     if cp > 1:
-        attn = cp_attention(cp_impl)
+        attn = cp_attention(cp_impl, simulated_cp(cp, cp_impl, ac, log))
         for block in model.layers.values():
             block.attention.attn_fn = attn
     if ac != "none":

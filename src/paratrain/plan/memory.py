@@ -141,7 +141,8 @@ def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_le
                        io_out=tr.io_bytes if part in ("first", "middle") else 0)
 
 
-def _from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbatches: int, pipelined: bool) -> dict:
+def memory_from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbatches: int,
+                       pipelined: bool) -> dict:
     """The rank's peak from its chunks: forward/backward (with micro-batches in flight) vs the optimizer step."""
     params = sum(c.params for c in chunks)
     opt = sum(c.optimizer for c in chunks)
@@ -216,7 +217,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
     notes: list[str] = []
     if layout.pp == 1:
         chunk = chunk_memory(args, layout, "whole", args.n_layers, seq_len, dtype, device_type, notes)
-        parts = _from_chunks([chunk], [1], layout.microbatches, pipelined=False)
+        parts = memory_from_chunks([chunk], [1], layout.microbatches, pipelined=False)
         return MemoryEstimate(**{k: parts[k] for k in ("params", "grads", "optimizer", "activations", "other")},
                               phase=parts["phase"], notes=notes)
     stages = stage_layout(args, layout, seq_len)
@@ -236,7 +237,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
         chunks = [chunk(part, layers, rank) for _, part, layers in items]
         flight = [in_flight(layout.pp_schedule, layout.pp, rank, layout.microbatches, layout.virtual_stages)
                   for _ in items]
-        parts = _from_chunks(chunks, flight, layout.microbatches, pipelined=True)
+        parts = memory_from_chunks(chunks, flight, layout.microbatches, pipelined=True)
         total = sum(parts[k] for k in ("params", "grads", "optimizer", "activations", "other"))
         per_stage.append({"pp_rank": rank, "stages": [i for i, _, _ in items], "in_flight": flight,
                           "total_gib": round(total / GIB, 4)})

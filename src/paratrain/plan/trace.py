@@ -155,7 +155,7 @@ def _stage_input(key: TraceKey, seq_local: int, dim: int):
     return torch.zeros((key.micro_batch, seq_local, dim), dtype=torch.float32, requires_grad=True)
 
 
-def _recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = False):
+def op_recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool = False):
     """An op hook that appends (kind, flops, bytes, count, dtensor) per op to ops[state["phase"]].
     foreach_per_tensor: a `_foreach_*` op runs one kernel per tensor of its list (CPU has no multi-tensor
     kernels), so it is recorded as that many ops, each with its share of the bytes."""
@@ -267,7 +267,8 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
             states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             return {"grads": tracker.bytes_of([p.grad for p in params]), "optimizer": tracker.bytes_of(states)}
 
-        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log, device_type == "cpu"),
+        tracker = LiveTensorTracker(on_peak=snapshot,
+                                    op_hook=op_recorder(ops, state, log, device_type == "cpu"),
                                     resync=False)
         with tracker:
             tracker.track(list(model.parameters()) + list(model.buffers()))
@@ -293,7 +294,7 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
+    from paratrain.plan.local_model import CommLog, build_local_model
     from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.step import autocast_context, lm_loss
 
@@ -306,14 +307,15 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     ops: dict[str, list] = {"fwd": [], "bwd": [], "opt": opt_trace.ops["opt"]}
 
     log.dtensor = {} if key.tp > 1 else None
-    with FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
+    with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def snapshot() -> dict:
             return {"grads": tracker.bytes_of([p.grad for p in params if p.grad is not None]), "optimizer": 0}
 
-        tracker = LiveTensorTracker(on_peak=snapshot, op_hook=_recorder(ops, state, log, key.device_type == "cpu"),
+        tracker = LiveTensorTracker(on_peak=snapshot,
+                                    op_hook=op_recorder(ops, state, log, key.device_type == "cpu"),
                                     resync=False)
         marking = _mark_groups(model, tracker, result)
         with tracker:
@@ -403,7 +405,7 @@ def _store_phase(result: OneTrace, name: str, tracker: LiveTensorTracker) -> Non
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_logs():
     """Strategies log one line each when applied; the planner applies them hundreds of times."""
     logger = logging.getLogger("paratrain")
     level = logger.level

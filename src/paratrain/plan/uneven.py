@@ -22,7 +22,14 @@ from dataclasses import dataclass, field, replace
 from paratrain.parallel.layout import Layout
 from paratrain.plan.cluster import Cluster, Device
 from paratrain.plan.collectives import collective_time
-from paratrain.plan.memory import GIB, _from_chunks, chunk_memory, estimate_memory, in_flight, stage_layout
+from paratrain.plan.memory import (
+    GIB,
+    chunk_memory,
+    estimate_memory,
+    in_flight,
+    memory_from_chunks,
+    stage_layout,
+)
 from paratrain.plan.search import Candidate, Job
 from paratrain.plan.time import (
     TimeEstimate,
@@ -205,7 +212,7 @@ class PipelineModel:
         chunks = [self.chunk(dev, k, n)[1] for k, n in items]
         lay = self.lay
         flight = [in_flight(lay.pp_schedule, lay.pp, r, lay.microbatches, lay.virtual_stages)] * len(items)
-        parts = _from_chunks(chunks, flight, lay.microbatches, pipelined=True)
+        parts = memory_from_chunks(chunks, flight, lay.microbatches, pipelined=True)
         return sum(parts[k] for k in ("params", "grads", "optimizer", "activations", "other"))
 
     def slot(self, layers: list[int], r: int, dev: Device, transfer: float) -> tuple[float, float]:

@@ -86,8 +86,8 @@ def trace_units(key: UnitKey) -> UnitTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_leaves
 
-    from paratrain.plan.local_model import CommLog, build_local_model, simulated_cp
-    from paratrain.plan.trace import _quiet, _recorder
+    from paratrain.plan.local_model import CommLog, build_local_model
+    from paratrain.plan.trace import op_recorder, quiet_logs
     from paratrain.plan.tracker import LiveTensorTracker, storages_of
     from paratrain.train.step import autocast_context, lm_loss
 
@@ -98,7 +98,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
     flat: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
     ops: dict[str, list] = {}
     log.dtensor = {} if key.tp > 1 else None
-    record = _recorder(flat, state, log, key.device_type == "cpu")
+    record = op_recorder(flat, state, log, key.device_type == "cpu")
 
     # storage id -> (the storage, weakly; the unit whose op created it). An id is reused once its storage dies,
     # so an entry only counts for the storage it was made for
@@ -117,7 +117,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
             ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
         sample_first()
 
-    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), simulated_cp(key.cp, log, key.ac):
+    with quiet_logs(), FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
                                   loss_parallel=key.loss_parallel)
         groups = _unit_of_params(model)
