@@ -1,7 +1,7 @@
 """A throttled rank: an even split against an uneven one, median step time side by side.
 
-Two ranks on CPU (gloo, one thread each); rank 1 is made FACTOR x slower with the test-only switch
-PARATRAIN_TEST_RANK_SLOWDOWN (train/throttle.py). Both trainers live in the same two processes and run
+Two ranks on CPU (gloo, one thread each); rank 1 is made FACTOR x slower by the test throttle
+(tests/support/throttle.py, attached through each trainer's hooks; tests/ is put on sys.path). Both trainers live in the same two processes and run
 alternating blocks (A B A B ...), so machine noise hits both alike.
 
 --mode dp (default): DDP. The even run gives both ranks half the global batch, so every step waits for rank 1;
@@ -21,18 +21,24 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
 
 def worker(args: dict) -> dict | None:
     from paratrain.config import TrainConfig
+    from paratrain.train.hooks import Hooks
     from paratrain.train.runtime import init_runtime, shutdown
-    from paratrain.train.throttle import SLOWDOWN_ENV
     from paratrain.train.trainer import Trainer
+    from support.throttle import Throttle, attach
 
     rt = init_runtime("cpu", 300)
     base = {"model": args["model"], "nproc": 2, "seq_len": args["seq_len"], "global_batch": args["batch"],
             "steps": 10**6, "resume": "never", "metrics": False, "device": "cpu", **args["common"]}
-    os.environ[SLOWDOWN_ENV] = f"1:{args['factor']}"
-    runs = {name: Trainer(TrainConfig(**base, **overrides), rt, quiet=True) for name, overrides in args["runs"].items()}
+    runs, throttles = {}, {}
+    for name, overrides in args["runs"].items():  # one throttle per trainer: each counts its own sleep
+        hooks, throttles[name] = Hooks(), Throttle.for_rank(rt.rank, "cpu", f"1:{args['factor']}")
+        attach(hooks, throttles[name])
+        runs[name] = Trainer(TrainConfig(**base, **overrides), rt, quiet=True, hooks=hooks)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for trainer in runs.values():  # warm-up: DDP builds its buckets on the first steps
         for _ in range(2):
@@ -44,7 +50,7 @@ def worker(args: dict) -> dict | None:
                 t0 = time.perf_counter()
                 trainer.train_step(micro)  # ends in the loss all-reduce: both ranks are done
                 times[name].append(time.perf_counter() - t0)
-    slept = {name: t.step_runner.throttle.slept_s if t.step_runner.throttle else 0.0 for name, t in runs.items()}
+    slept = {name: t.slept_s if t else 0.0 for name, t in throttles.items()}
     shutdown()
     return {"times": times, "slept_s": slept} if rt.is_main or rt.rank == 1 else None
 

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
 
 
 @dataclass
@@ -28,6 +29,13 @@ def cli_env(extra: dict | None = None) -> dict:
     env.pop("WORLD_SIZE", None)
     env.update(extra or {})
     return env
+
+
+def plugin_env(*plugins: str, **settings: str) -> dict:
+    """Environment that loads tests/support plugins into a `paratrain` subprocess and its workers:
+    plugin_env("support.faults:plugin", PARATRAIN_TEST_FAULT="dp-grad-sum"). Puts tests/ on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PARATRAIN_PLUGINS": ",".join(plugins), "PYTHONPATH": path, **settings}
 
 
 def run_cli(*args: str, timeout: float = 240, cwd: str | None = None, env: dict | None = None) -> CLIResult:

@@ -2,7 +2,7 @@
 
     python tests/bench/mutation_worker.py   -> one JSON document on stdout
 
-For each mutation of paratrain/parallel/mutations.py: a clean verify of its strategy (must pass; its errors
+For each mutation of tests/support/faults.py (planted through paratrain's hooks): a clean verify of its strategy (must pass; its errors
 against the tolerances are the measured margins) and the same verify with the bug planted (must fail and say
 where). Plus one bf16 DDP verify, whose tolerances come from its measured noise floor. The single-device
 reference is computed once per config on rank 0 and reused.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the support package
 
 STEPS = 3
 BASE = {"steps": STEPS, "timeout_s": 120.0, "device": "cpu", "resume": "never", "ckpt_every": 0, "metrics": False,
@@ -34,13 +36,10 @@ KEEP = ("passed", "checks", "first_divergence", "tolerance", "margins", "noise_f
 def one(rt, overrides: dict, mutation: str | None) -> dict | None:
     from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
-    from paratrain.parallel.mutations import MUTATION_ENV
+    from support.faults import planted
 
-    os.environ[MUTATION_ENV] = mutation or ""
-    try:
+    with planted(mutation):
         report = verify_in_group(TrainConfig(**{**BASE, **overrides}), rt)
-    finally:
-        os.environ.pop(MUTATION_ENV, None)
     return {k: report.get(k) for k in KEEP} if report else None
 
 

@@ -9,12 +9,14 @@ import math
 import pytest
 import torch
 
+from helpers import plugin_env
 from paratrain.bench.verify import check_verifiable, describe_divergence
 from paratrain.bench.verify_compare import Tolerance, compare_step, divergence, judge, nanmax
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.parallel.mutations import MUTATION_ENV, mutation
 from paratrain.parallel.strategies import resolve_layout
+from paratrain.train.hooks import KINDS, Hooks
+from support.faults import FAULT_ENV, MUTATIONS, plant, plugin
 
 CONTRACT = {"strategy", "dims", "world_size", "steps", "dtype", "tolerance", "max_loss_abs_diff", "max_grad_rel_diff",
             "max_param_abs_diff", "passed", "per_step"}
@@ -39,7 +41,7 @@ def test_verify_ddp_two_ranks_passes(cli):
 @pytest.mark.timeout(240)
 def test_verify_cli_fails_with_exit_1_and_says_where(cli):
     res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--steps", "2", "--json",
-              env={MUTATION_ENV: "dp-grad-sum"})
+              env=plugin_env("support.faults:plugin", **{FAULT_ENV: "dp-grad-sum"}))
     assert res.returncode == 1, res.stderr[-2000:]
     report = res.json()
     assert report["passed"] is False and report["checks"]["grads"] is False and report["checks"]["loss"] is True
@@ -129,11 +131,24 @@ def test_refusal_is_one_line_and_exit_2(cli_inproc):
     assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1, res.stderr
 
 
-def test_mutation_switch_is_off_unless_named(monkeypatch):
-    monkeypatch.delenv(MUTATION_ENV, raising=False)
-    assert mutation("dp-grad-sum") is False
-    monkeypatch.setenv(MUTATION_ENV, "dp-grad-sum")
-    assert mutation("dp-grad-sum") is True and mutation("zero1-no-broadcast") is False
-    monkeypatch.setenv(MUTATION_ENV, "typo")
+def registered(hooks: Hooks) -> dict:
+    return {kind: len(hooks.callbacks(kind)) for kind in KINDS if hooks.callbacks(kind)}
+
+
+def test_fault_plugin_plants_nothing_unless_named(monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    hooks = Hooks()
+    plugin(hooks)
+    assert registered(hooks) == {}
+    monkeypatch.setenv(FAULT_ENV, "dp-grad-sum")
+    plugin(hooks)
+    assert registered(hooks) == {"after_parallelize": 1}
+    monkeypatch.setenv(FAULT_ENV, "typo")
     with pytest.raises(UserError, match="not a known mutation"):
-        mutation("dp-grad-sum")
+        plugin(hooks)
+    for name in MUTATIONS:  # each planted, then taken out again: the registry is as it was
+        handles = plant(name, hooks)
+        assert handles and registered(hooks) != {"after_parallelize": 1}
+        for handle in handles:
+            handle.remove()
+        assert registered(hooks) == {"after_parallelize": 1}, name

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from helpers import plugin_env
+
 CONTRACT = {"breakdown", "findings", "trace"}
 BREAKDOWN = {"compute", "communication_exposed", "data_wait", "host_overhead", "bubble", "other"}
 
@@ -48,7 +50,7 @@ def test_sleeping_loader_is_data_loading_and_trace_opens(cli, tmp_path):
     # one layer, one 8-token sequence: a step takes a few ms, the loader 50 ms per batch
     toml = 'model = "tiny"\nn_layers = 1\nseq_len = 8\nglobal_batch = 1\nstrategy = "single"\nnproc = 1\n'
     report = doctor(cli, tmp_path, "--steps", "3", "--trace", "trace.json", toml=toml,
-                    env={"PARATRAIN_TEST_LOADER_DELAY_S": "0.05"})
+                    env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05"))
     assert report["findings"][0]["cause"] == "data_loading", causes(report)
     assert report["findings"][0]["severity"] == "high"
     assert report["breakdown"]["data_wait"] > 0.3

@@ -5,7 +5,7 @@ test_hf_verify.py.
 
 DIR holds the configs of hf_configs.py. Each run compares against the unwrapped transformers model on one
 device (rank 0; the same seed, weights and batches). Then the same verify with a bug planted
-(parallel/mutations.py) must fail: the harness still sees through a transformers model's module tree.
+(tests/support/faults.py) must fail: the harness still sees through a transformers model's module tree.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the support package
 
 NPROC = 4
 BASE = {"steps": 2, "timeout_s": 90.0, "device": "cpu", "resume": "never", "ckpt_every": 0, "metrics": False,
@@ -36,14 +38,11 @@ KEEP = ("passed", "checks", "first_divergence", "dims", "max_loss_abs_diff", "ma
 def one(rt, root: Path, model: str, strategy: str, mutation: str | None = None) -> dict | None:
     from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
-    from paratrain.parallel.mutations import MUTATION_ENV
+    from support.faults import planted
 
-    os.environ[MUTATION_ENV] = mutation or ""
-    try:
+    with planted(mutation):
         cfg = TrainConfig(**{**BASE, **EVERY_STRATEGY[strategy], "model": f"hf:{root / model}"})
         report = verify_in_group(cfg, rt)
-    finally:
-        os.environ.pop(MUTATION_ENV, None)
     return {k: report.get(k) for k in KEEP} if report else None
 
 

@@ -1,5 +1,5 @@
-"""Uneven splits for mixed clusters: --dp-batch-split and --pp-layers against one device, and the test-only
-rank throttle.
+"""Uneven splits for mixed clusters: --dp-batch-split and --pp-layers against one device, and the test rank
+throttle (tests/support/throttle.py; its parser and clock are tested in tests/support/test_throttle.py).
 
 Parity reference: bench/verify.py's single-device run on the same global batch (same seed, weights, data order),
 every step, every rank, at verify's fp32 tolerances (loss 1e-5 relative, grads 1e-4, params 1e-5 + 1e-4
@@ -13,11 +13,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from torch import nn
 
 from helpers import cli_env
 from paratrain.config import TrainConfig
@@ -26,8 +24,6 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import config_fields, resolve_layout
 from paratrain.parallel.uneven import dp_loss_weight, dp_micro_batches, stage_layer_counts
 from paratrain.train.data import BatchSource, SyntheticMarkov
-from paratrain.train.step import PlainStep
-from paratrain.train.throttle import SLOWDOWN_ENV, Throttle, rank_slowdown
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_MARGIN = 5  # tolerance / largest error seen, per check; measured margins are in docs/strategies.md
@@ -176,41 +172,8 @@ def test_cli_refuses_a_bad_split_in_one_line_and_prints_both_keys(capsys):
     assert exit_info.value.code == 0 and 'dp_batch_split = "3:1"' in out and 'pp_layers = "2:2"' in out, out
 
 
-# -- the test-only throttle -----------------------------------------------------------------------------------------
+# -- the test throttle, through the hooks -----------------------------------------------------------------------------------------
 @pytest.mark.timeout(320)
 def test_throttle_switch_reaches_only_the_named_rank(two_ranks):
     for strategy, slept in two_ranks["slept_s"].items():  # ddp, and pp (its stage chunks are stretched)
         assert slept[0] is None and slept[1] > 0, (strategy, slept)
-
-
-def test_throttle_stretches_measured_compute(monkeypatch):
-    monkeypatch.setenv(SLOWDOWN_ENV, "1:3, 2:1.5")
-    assert (rank_slowdown(0), rank_slowdown(1), rank_slowdown(2)) == (1.0, 3.0, 1.5)
-    for bad in ("1", "x:2", "1:0.5"):
-        monkeypatch.setenv(SLOWDOWN_ENV, bad)
-        with pytest.raises(UserError, match=SLOWDOWN_ENV):
-            rank_slowdown(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 64))
-    batch = BatchSource(SyntheticMarkov(64, 64, seed=0), 8, 0, 1, 8).next_step()
-
-    def fastest(throttle) -> float:
-        runner = PlainStep(model, torch.device("cpu"), "fp32", False, throttle=throttle)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            runner.forward_backward(batch)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the throttle's CPU clock counts this thread: one compute thread, as in rank runs
-    try:
-        plain, slowed = fastest(None), fastest(Throttle(3.0, "cpu"))
-        with pytest.raises(UserError, match="OMP_NUM_THREADS=1"):
-            torch.set_num_threads(2)
-            monkeypatch.setenv(SLOWDOWN_ENV, "0:2")
-            Throttle.for_rank(0, "cpu")
-    finally:
-        torch.set_num_threads(threads)
-    assert slowed >= 1.5 * plain, (plain, slowed)

@@ -4,7 +4,7 @@
 
 NPROC=2: verify of --dp-batch-split 3:1, 1:3, 5:3 under ddp / zero1 / zero2 / zero3, the same split with the
 token weighting planted wrong (mutation h: must fail), --pp-layers 3:1 and 1:3 (1f1b) and 3:1:1:1
-(interleaved-1f1b, 2 stages per rank), and the test-only throttle wired to rank 1 only. NPROC=3: 2:1:1 (ddp) and
+(interleaved-1f1b, 2 stages per rank), and the test throttle (tests/support/throttle.py) on rank 1 only. NPROC=3: 2:1:1 (ddp) and
 3:2:1 (zero3). The single-device reference is computed once per global batch on rank 0 and reused.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the support package
 
 STEPS = 3
 BASE = {"steps": STEPS, "timeout_s": 120.0, "device": "cpu", "resume": "never", "ckpt_every": 0, "metrics": False,
@@ -44,13 +46,10 @@ KEEP = ("passed", "checks", "first_divergence", "margins", "dims", "max_loss_rel
 def one(rt, overrides: dict, mutation: str | None = None) -> dict | None:
     from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
-    from paratrain.parallel.mutations import MUTATION_ENV
+    from support.faults import planted
 
-    os.environ[MUTATION_ENV] = mutation or ""
-    try:
+    with planted(mutation):
         report = verify_in_group(TrainConfig(**{**BASE, "nproc": rt.world_size, **overrides}), rt)
-    finally:
-        os.environ.pop(MUTATION_ENV, None)
     return {k: report.get(k) for k in KEEP} if report else None
 
 
@@ -59,20 +58,18 @@ def throttled(rt) -> dict:
     import torch.distributed as dist
 
     from paratrain.config import TrainConfig
-    from paratrain.train.throttle import SLOWDOWN_ENV
+    from paratrain.train.hooks import Hooks
     from paratrain.train.trainer import Trainer
+    from support.throttle import Throttle, attach
 
     out = {}
     for name, overrides in (("ddp", {"strategy": "ddp"}),
                             ("pp", {"strategy": "pp", "model": "tiny4", "pp_layers": "3:1", "microbatches": 2})):
-        os.environ[SLOWDOWN_ENV] = "1:3"
-        try:
-            trainer = Trainer(TrainConfig(**{**BASE, "nproc": 2, "steps": 2, **overrides}), rt, quiet=True)
-        finally:
-            os.environ.pop(SLOWDOWN_ENV)
+        hooks, throttle = Hooks(), Throttle.for_rank(rt.rank, "cpu", "1:3")
+        attach(hooks, throttle)
+        trainer = Trainer(TrainConfig(**{**BASE, "nproc": 2, "steps": 2, **overrides}), rt, quiet=True, hooks=hooks)
         for _ in range(2):
             trainer.train_step(trainer.source.next_step())
-        throttle = trainer.step_runner.throttle
         slept = throttle.slept_s if throttle else None
         everyone = [None] * rt.world_size
         dist.all_gather_object(everyone, slept)

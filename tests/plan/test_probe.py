@@ -1,11 +1,12 @@
 """`train --strategy auto --probe K`: the top K layouts measured a few steps each, the model refitted, the measured
-best trained. The guarantee: a wrong prediction (injected with the test-only PARATRAIN_TEST_PREDICTION_SCALE)
+best trained. The guarantee: a wrong prediction (injected by tests/support/prediction_scale.py, a plugin)
 is overturned by what the probe measures."""
 
 from __future__ import annotations
 
 import pytest
 
+from helpers import plugin_env
 from paratrain.parallel.layout import Layout
 from paratrain.plan.probe import Probe, choose, format_probe_table
 from paratrain.plan.search import Candidate
@@ -44,7 +45,8 @@ def test_probe_needs_strategy_auto(cli_inproc):
 def test_probe_3_overturns_a_wrong_prediction_and_trains_the_measured_best(cli, tmp_path):
     # the catalog's cpu entry (no saved profile); zero3 made to look 100x faster than the model says: on CPU
     # FSDP's per-parameter work makes it measure well behind DDP-style layouts, so the probe must not keep it
-    env = {"PARATRAIN_CACHE": str(tmp_path / "cache"), "PARATRAIN_TEST_PREDICTION_SCALE": "zero3:0.01"}
+    env = {"PARATRAIN_CACHE": str(tmp_path / "cache"),
+           **plugin_env("support.prediction_scale:plugin", PARATRAIN_TEST_PREDICTION_SCALE="zero3:0.01")}
     res = cli("train", "--strategy", "auto", "--probe", "3", "--model", "tiny", "--nproc", "2", "--steps", "1",
               "--device", "cpu", "--seq-len", "32", "--global-batch", "4", "--no-metrics", "--json",
               "--timeout-s", "60", "--out", str(tmp_path / "run"), env=env, timeout=230)

@@ -1,5 +1,5 @@
-"""A mixed cluster measured: on 2 CPU ranks with rank 1 throttled (test-only PARATRAIN_TEST_RANK_SLOWDOWN: its
-compute takes FACTOR x as long) and described to the planner as that much slower (a cluster file with speed
+"""A mixed cluster measured: on 2 CPU ranks with rank 1 throttled (tests/support/throttle.py, loaded into the
+workers as a PARATRAIN_PLUGINS plugin: its compute takes FACTOR x as long) and described to the planner as that much slower (a cluster file with speed
 1 / FACTOR), the planner's uneven batch split trains measurably faster than the even split, by about the
 margin it predicts. Both layouts run in one process group (bench's measure_cells), interleaved by nothing
 but order; the step time is the median over measured steps of the slowest rank's.
@@ -26,6 +26,8 @@ import statistics
 
 import pytest
 
+from helpers import plugin_env
+
 FACTOR = 3.0
 LOWER = 0.75
 ROUNDS = 2
@@ -47,7 +49,8 @@ def test_the_planners_uneven_split_beats_the_even_split_on_a_throttled_rank(tmp_
     assert best["dp_batch_split"] and best["dp_batch_split"][0] > best["dp_batch_split"][1]
     predicted = best["step_time_s"] / best["step_time_even_s"]
 
-    monkeypatch.setenv("PARATRAIN_TEST_RANK_SLOWDOWN", f"1:{FACTOR:g}")
+    for key, value in plugin_env("support.throttle:plugin", PARATRAIN_TEST_RANK_SLOWDOWN=f"1:{FACTOR:g}").items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the throttle measures this thread's CPU time
     from paratrain.parallel.layout import Layout
 

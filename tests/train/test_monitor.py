@@ -7,6 +7,8 @@ import urllib.request
 
 import pytest
 
+from helpers import plugin_env
+
 RUN = ("train", "--model", "tiny", "--strategy", "single", "--nproc", "1", "--global-batch", "2", "--seq-len", "16",
        "--steps", "13", "--monitor", "--monitor-every", "3", "--monitor-windows", "2", "--json", "--resume", "never")
 
@@ -18,7 +20,8 @@ def events(run_dir, kind):
 
 @pytest.mark.timeout(240)
 def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli, tmp_path):
-    slow = cli(*RUN, "--out", str(tmp_path / "slow"), env={"PARATRAIN_TEST_LOADER_DELAY_S": "0.05"})
+    slow = cli(*RUN, "--out", str(tmp_path / "slow"),
+               env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05"))
     assert slow.returncode == 0, slow.stderr[-3000:]
     alerts = events(tmp_path / "slow", "alert")
     data = [a for a in alerts if a["cause"] == "data_loading"]

@@ -63,26 +63,23 @@ def check_verifiable(cfg, layout) -> None:
 
 
 class Recorder:
-    """Reads one Trainer's state at every step: the gradients before clipping (it wraps this trainer's
-    optimizer_step, which clips first), then loss, grad norm, parameters and activation fingerprints."""
+    """Reads one Trainer's state at every step: the gradients before clipping (the trainer's on_gradients
+    hook), then loss, grad norm, parameters and activation fingerprints."""
 
     def __init__(self, trainer, tp_rank: int, fingerprints: bool):
         self.trainer, self.grads = trainer, None
         self.parts = trainer.step_runner.model_parts
         self.fingerprints = Fingerprints(self.parts, tp_rank) if fingerprints else None
-        optimizer_step = trainer.optimizer_step
+        self.handle = trainer.hooks.on_gradients(self._read_grads)
 
-        def probed():
-            scaler = trainer.scaler  # fp16: the grads are still multiplied by the loss scale here
-            self.grads = full_tensors(self.parts, "grad", float(scaler.get_scale()) if scaler else 1.0)
-            return optimizer_step()
-
-        trainer.optimizer_step = probed
+    def _read_grads(self, trainer) -> None:
+        scaler = trainer.scaler  # fp16: the grads are still multiplied by the loss scale here
+        self.grads = full_tensors(self.parts, "grad", float(scaler.get_scale()) if scaler else 1.0)
 
     def step(self) -> dict:
         micro = self.trainer.source.next_step()
         out = self.trainer.train_step(micro)
-        calls = getattr(self.trainer.step_runner, "microbatches", None) or len(micro)
+        calls = self.trainer.step_runner.microbatches or len(micro)
         acts = self.fingerprints.take(calls) if self.fingerprints else None
         return {"loss": out["loss"], "grad_norm": out["grad_norm"], "grads": self.grads,
                 "params": full_tensors(self.parts, "param"), "acts": acts}
@@ -92,6 +89,7 @@ class Recorder:
         return self.fingerprints.order if self.fingerprints else []
 
     def close(self) -> None:
+        self.handle.remove()
         if self.fingerprints:
             self.fingerprints.remove()
 

@@ -80,13 +80,11 @@ class CaptureSession:
 
     def _remember_batches(self) -> None:
         """Keep the latest step's micro-batches on the device: the probes' pre-staged data."""
-        train_step = self.trainer.train_step
-
-        def remembering(micro_batches):
+        def remembering(trainer, micro_batches, step):
             self.staged = [mb.to(self.device, non_blocking=True) for mb in micro_batches]
-            return train_step(micro_batches)
+            return step(micro_batches)
 
-        self.trainer.train_step = remembering
+        self.handles.append(self.trainer.hooks.wrap_step(remembering))
 
     def on_step(self, trainer, record: dict) -> None:
         now = time.perf_counter()
@@ -94,7 +92,7 @@ class CaptureSession:
         measured_end = self.warmup + self.steps
         if self.warmup < step <= measured_end + PROFILED_STEPS:
             # a pipeline stage's idle time inside the schedule, as PipelineStep measured it (None without pp)
-            timing = getattr(trainer.step_runner, "last_timing", None) or {}
+            timing = trainer.step_runner.last_timing or {}
             row = {"step": step, "step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
                    "iteration_s": now - self._last_end, "pipeline_idle_s": timing.get("idle_s"),
                    **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES}}
@@ -169,7 +167,6 @@ class CaptureSession:
     def finish(self) -> dict:
         for h in self.handles:
             h.remove()
-        self.trainer.phase_timer = None
         if self.profiler is None:
             raise UserError(f"doctor needs at least {self.warmup + 1} steps to measure anything")
         prof = summarize_events(self.profiler.events(), last_steps=len(self.profiled_records))

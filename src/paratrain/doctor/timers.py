@@ -1,7 +1,7 @@
 """Per-phase step timers for doctor and bench: forward, backward, optimizer, loss sync, plus forward hooks.
 
-The trainer calls begin()/mark(phase) only when a timer is attached (`trainer.phase_timer`), so plain
-training pays nothing. On CUDA each mark synchronizes first, so a phase owns the kernels it launched.
+attach() registers it on the trainer's on_phase hook (train/hooks.py), which calls begin() at the start of each
+train_step and mark(phase) as each phase ends; without it, plain training pays nothing. On CUDA each mark synchronizes first, so a phase owns the kernels it launched.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ class PhaseTimer:
         if rf is not None:
             rf.__exit__(None, None, None)
 
-    # -- called by the trainer --------------------------------------------------------------------------
+    # -- called through the trainer's on_phase hook --------------------------------------------------------------
+    def on_phase(self, phase: str) -> None:
+        if phase == "start":
+            self.begin()
+        else:
+            self.mark(phase)
+
     def begin(self) -> None:
         self.current = dict.fromkeys(PHASES, 0.0)
         self._t = self._now()
@@ -76,8 +82,7 @@ class PhaseTimer:
 
     def attach(self, trainer) -> list:
         """Attach to a Trainer; returns the hook handles (remove() them to detach)."""
-        trainer.phase_timer = self
-        handles = []
+        handles = [trainer.hooks.on_phase(self.on_phase)]
         for part in trainer.step_runner.model_parts:
             # first in line, so a sharded model's parameter all-gather counts as forward
             handles.append(part.register_forward_pre_hook(self.forward_started, prepend=True))

@@ -17,7 +17,6 @@ import logging
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.parallel.mutations import local_positions, mutation
 from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
 from paratrain.parallel.ulysses import ulysses_attention
 
@@ -35,8 +34,7 @@ def sequence_sharder(layout):
 
     def prepare(inputs, targets):
         positions = zigzag_positions(inputs.shape[1], cp, rank, inputs.device)
-        rope = local_positions(positions) if mutation("cp-rope-positions") and rank == 1 else positions  # TEST-ONLY (d)
-        return inputs.index_select(1, positions), targets.index_select(1, positions), {"positions": rope}
+        return inputs.index_select(1, positions), targets.index_select(1, positions), {"positions": positions}
 
     return prepare
 

@@ -4,6 +4,7 @@ ZeRO-2/3 and HSDP (+ bf16 mixed precision, CPU offload). Model-state byte counts
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.errors import UserError
-from paratrain.parallel.mutations import mutation, sum_allreduce_hook
+from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
 
@@ -31,8 +32,6 @@ def apply_ddp(model: nn.Module, dp_mesh, device_type: str, bucket_cap_mb: float 
     group = dp_mesh.get_group()
     if comm_hook != "none":
         register_comm_hook(ddp, comm_hook, group, powersgd_start)
-    elif mutation("dp-grad-sum") and not local_sgd_period:  # TEST-ONLY mutation (a), see parallel/mutations.py
-        ddp.register_comm_hook(group, sum_allreduce_hook)
     if local_sgd_period:
         attach_local_sgd(ddp, local_sgd_period, group)
     extras = (f", {comm_hook} comm hook" if comm_hook != "none" else "") + \
@@ -91,9 +90,13 @@ def _zero_optimizer_class():
         """
 
         def _broadcast_params_from_rank(self, rank: int):
-            if mutation("zero1-no-broadcast") and rank == 1:  # TEST-ONLY mutation (f): rank 1's shard stays put
-                return []
-            return super()._broadcast_params_from_rank(rank)
+            """After the step, rank `rank` (in the group) broadcasts the parameters it updated; through the
+            collective hooks, so one dropped or late broadcast can be planted (an interceptor's None: none sent)."""
+            params = tuple(p for group in self._partition_parameters()[rank] for p in group["params"])
+            handles = collective("zero1_params", "dp", "broadcast", self.process_group,
+                                 lambda: super(CheckpointableZero, self)._broadcast_params_from_rank(rank),
+                                 params, src=rank)
+            return [] if handles is None else handles
 
         def state_dict(self) -> dict:
             import torch.distributed as dist
@@ -113,7 +116,9 @@ def _zero_optimizer_class():
                     else:
                         buf = (torch.zeros((), dtype=torch.float32, device=comm_device) if key == "step"
                                else torch.empty_like(param))
-                    dist.broadcast(buf, src=src, group=self.process_group)
+                    collective("zero1_state", "dp", "broadcast", self.process_group,
+                               functools.partial(dist.broadcast, buf, src=src, group=self.process_group), (buf,),
+                               src=owner)
                     entry[key] = buf.cpu() if key == "step" else buf
                 state[index] = entry
             groups, start = [], 0

@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from paratrain.errors import UserError
-from paratrain.parallel.mutations import keep_partial_grad, mutation, row_parallel_without_reduce
 
 log = logging.getLogger("paratrain")
 
@@ -36,8 +35,6 @@ def apply_tp(model: nn.Module, tp_mesh, sp: bool = False, plan: dict | None = No
     if plan is None:
         raise UserError(f"tensor parallel needs a plan for {type(model).__name__}: pass "
                         "tp_plan={'module.path': ColwiseParallel(), ...} to paratrain.parallelize")
-    if mutation("tp-row-no-reduce"):  # TEST-ONLY mutation (c), see parallel/mutations.py
-        plan = row_parallel_without_reduce(model, plan)
     check_plan(model, plan, tp)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)
@@ -57,10 +54,9 @@ def settle_grad_layouts(model: nn.Module) -> None:
     sum), and that of the vocab-sharded embedding Replicate (full size). Left so, every optimizer op on a
     Partial grad would all-reduce it again. FSDP2 replaces these parameters and settles grads itself.
     """
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
-            faulty = mutation("sp-norm-grad-no-reduce") and name.endswith("norm.weight")  # TEST-ONLY mutation (g)
-            p.register_post_accumulate_grad_hook(keep_partial_grad if faulty else _settle_grad)
+            p.register_post_accumulate_grad_hook(_settle_grad)
 
 
 def _settle_grad(param: DTensor) -> None:

@@ -68,11 +68,6 @@ def dp_loss_weight(layout, dp_rank: int) -> float | None:
     (sequences all hold seq_len tokens, so this is its token share); None when the split is even (1 / M)."""
     if not layout.dp_micro_batches:
         return None
-    # imported here: it imports torch.distributed, which the planner's layout checks do not need
-    from paratrain.parallel.mutations import mutation
-
-    if mutation("dp-split-unweighted"):  # TEST-ONLY mutation (h): every rank weighted alike, whatever its share
-        return 1.0 / layout.microbatches
     return layout.dp * layout.dp_micro_batches[dp_rank] / layout.global_batch
 
 

@@ -35,27 +35,6 @@ def auto_hardware(device: str):
     return profile_from_spec(get_gpu("cpu")), "catalog cpu placeholder (calibrate for real figures)"
 
 
-def scale_predictions_for_test(feasible: list) -> list:
-    """Test-only: PARATRAIN_TEST_PREDICTION_SCALE="STRATEGY:FACTOR[,...]" multiplies the predicted step time of
-    the candidates of that strategy, then re-ranks; a deliberately wrong model, for the probe to overturn."""
-    spec = os.environ.get("PARATRAIN_TEST_PREDICTION_SCALE")
-    if not spec:
-        return feasible
-    factors = {}
-    for item in spec.split(","):
-        name, _, factor = item.partition(":")
-        try:
-            factors[name.strip()] = float(factor)
-        except ValueError:
-            raise UserError(f"PARATRAIN_TEST_PREDICTION_SCALE: expected STRATEGY:FACTOR, got {item!r}") from None
-    for cand in feasible:
-        if cand.layout.strategy in factors:
-            cand.time.step_s *= factors[cand.layout.strategy]
-            log.warning("test hook: predicted step time of %s scaled by %g", cand.layout.label(),
-                        factors[cand.layout.strategy])
-    return sorted(feasible, key=lambda c: c.time.step_s)
-
-
 def plan_for_auto(cfg):
     """(job, profile, where the profile came from, feasible candidates fastest first) for `--strategy auto`."""
     import dataclasses
@@ -84,7 +63,10 @@ def plan_for_auto(cfg):
         raise UserError(f"--strategy auto: no layout of {cfg.model} fits {world} x {profile.gpu.name} "
                         f"({profile.gpu.mem_gib:g} GiB each; the closest needs {closest:.1f} GiB); try more devices "
                         f"or `paratrain plan` for details")
-    return job, profile, where, scale_predictions_for_test(feasible)
+    from paratrain.train.hooks import default_hooks
+
+    # the auto_candidates hooks (train/hooks.py) may re-price or re-rank them; none does unless a plugin asks
+    return job, profile, where, default_hooks().apply_auto_candidates(feasible)
 
 
 def resolve_auto_strategy(cfg):

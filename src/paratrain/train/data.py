@@ -260,12 +260,14 @@ class Prefetcher:
     Resumable: `position` counts the steps handed out, not the ones built ahead.
     """
 
-    def __init__(self, source: BatchSource, depth: int = 2, pin: bool = False, delay_s: float = 0.0,
-                 timeout_s: float | None = None):
+    def __init__(self, source: BatchSource, depth: int = 2, pin: bool = False, timeout_s: float | None = None,
+                 before_batch=None):
+        """`before_batch(step)`: called on the loader thread before each step's batch is read (the trainer's
+        before_batch hook, train/hooks.py: e.g. a slow loader stood in by a sleep)."""
         import queue
         import threading
 
-        self.source, self.pin, self.delay_s, self.timeout_s = source, pin, delay_s, timeout_s
+        self.source, self.pin, self.timeout_s, self.before_batch = source, pin, timeout_s, before_batch
         self.position = source.step
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
@@ -273,12 +275,10 @@ class Prefetcher:
         self.thread.start()
 
     def _fill(self, step: int) -> None:
-        import time
-
         while not self.stop.is_set():
             try:
-                if self.delay_s:
-                    time.sleep(self.delay_s)  # test-only: an injected slow loader (see doctor tests)
+                if self.before_batch is not None:
+                    self.before_batch(step)
                 batch = self.source.rank_batch(step)
                 micro = [Batch(i, t) for i, t in zip(batch.inputs.split(self.source.micro_batch),
                                                       batch.targets.split(self.source.micro_batch))]

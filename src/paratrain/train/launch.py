@@ -89,7 +89,12 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
     """Run entry(*args) on nproc local ranks; returns {rank: return value}.
 
     Already inside torchrun/srun (RANK and WORLD_SIZE set): run entry once, in this process.
+    PARATRAIN_PLUGINS (train/hooks.py) is loaded here first, so a bad entry fails in this process, in one line,
+    before any worker starts; each worker loads it again for itself.
     """
+    from paratrain.train.hooks import default_hooks
+
+    default_hooks()
     if in_launched_process():
         return {int(os.environ["RANK"]): entry(*args)}
     if nproc == 1 and max_restarts == 0:

@@ -39,7 +39,7 @@ PROM_FILE_EVERY_S = 5.0
 
 
 class PhaseClock:
-    """The trainer's phase-timer protocol (begin/mark) on bare perf counters: seconds per phase per window."""
+    """Seconds per phase per window on bare perf counters, fed by the trainer's on_phase hook (on_phase)."""
 
     def __init__(self):
         self.totals = {"forward_backward": 0.0, "optimizer": 0.0, "loss_sync": 0.0}
@@ -52,6 +52,13 @@ class PhaseClock:
         now = time.perf_counter()
         self.totals[phase] += now - self._t
         self._t = now
+
+    def on_phase(self, phase: str) -> None:
+        """The trainer's on_phase hook (train/hooks.py): "start", then each phase as it ends."""
+        if phase == "start":
+            self.begin()
+        else:
+            self.mark(phase)
 
     def take(self) -> dict:
         out, self.totals = self.totals, dict.fromkeys(self.totals, 0.0)

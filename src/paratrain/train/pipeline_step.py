@@ -18,13 +18,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.mutations import drop_microbatch_grad, mutation
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.train.data import Batch
 from paratrain.train.optim import build_optimizer
 from paratrain.train.step import autocast_context, lm_loss
+from paratrain.train.step_runner import run_after_optimizer_step
 
 log = logging.getLogger("paratrain")
 
@@ -89,7 +90,8 @@ def _shape_pass_without_sync(stage: PipelineStage) -> None:
 
 
 class PipelineStep:
-    """The Trainer's step runner for pp > 1: forward + backward of one optimizer step through the schedule."""
+    """The Trainer's step runner for pp > 1: forward + backward of one optimizer step through the schedule.
+    A StepRunner (train/step_runner.py)."""
 
     def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], layout: Layout,
                  device: torch.device, last_pp_rank: int):
@@ -104,7 +106,6 @@ class PipelineStep:
             self.clock.instrument(stage)
         self._losses: list[torch.Tensor] = []
         self.last_timing: dict | None = None
-        self.throttle = None  # test-only (train/throttle.py): set when it wraps this rank's stages
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per micro-batch mean loss. The schedule then divides the grads by the micro-batch count
@@ -139,10 +140,13 @@ class PipelineStep:
         value = local.detach().float().clone()
         if self.pp_mesh is not None:
             group = self.pp_mesh.get_group()
-            dist.broadcast(value, src=dist.get_global_rank(group, self.last_pp_rank), group=group)
+            src = dist.get_global_rank(group, self.last_pp_rank)
+            collective("loss", "pp", "broadcast", group, lambda: dist.broadcast(value, src=src, group=group),
+                       (value,), src=self.last_pp_rank)
         dp_cp = self.layout.submesh("dp_cp")
         if dp_cp is not None:
-            dist.all_reduce(value, group=dp_cp.get_group())
+            group = dp_cp.get_group()
+            collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(value, group=group), (value,))
             value /= dp_cp.size()
         return float(value.item())
 
@@ -150,6 +154,9 @@ class PipelineStep:
         """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
         return [build_optimizer(list(part.parameters()), cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
                                 self.device.type) for part in self.model_parts]
+
+    def after_optimizer_step(self) -> None:
+        run_after_optimizer_step(self.model_parts)
 
     def timing_report(self) -> dict | None:
         """Every rank's busy/idle time in the last step (a collective over the world: call on all ranks).
@@ -178,12 +185,13 @@ class PipelineStep:
 
 
 def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, seq_len: int,
-                        tp_plan_for=None, throttle=None) -> PipelineStep:
+                        tp_plan_for=None, hooks=None) -> PipelineStep:
     """Split `model` into stages, keep this rank's, parallelize each (TP/FSDP/DDP), and build the schedule.
 
     tp_plan_for(stage_module) gives each stage's TP plan when tp > 1 (the model family's, from the caller).
-    fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines. `throttle` (test-only,
-    train/throttle.py) stretches each stage chunk's compute; --pp-layers fixes the blocks per stage.
+    fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines. --pp-layers fixes the
+    blocks per stage. `hooks` (train/hooks.py): after_parallelize sees each stage's module, on_pipeline_stage
+    each PipelineStage before the busy clock wraps it (so what a hook adds to a chunk counts as busy).
     """
     specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_layers)
     ranks = stage_ranks(layout.pp, len(specs))
@@ -195,6 +203,8 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
             continue
         part = carve_stage(model, spec)
         part = parallelize(part, layout, tp_plan_for(part) if layout.tp_enabled else None)
+        if hooks is not None:
+            hooks.fire("after_parallelize", part, layout)
         if layout.dtype != "fp32":
             _autocast_forward(part, device.type, layout.dtype)
         parts.append(part)
@@ -202,14 +212,10 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
                               get_mesh=functools.partial(_mesh_named, layout))
         if hasattr(part, "no_sync"):
             _shape_pass_without_sync(stage)
-        if mutation("pp-drop-microbatch-grad") and spec.last:  # TEST-ONLY mutation (e), see parallel/mutations.py
-            drop_microbatch_grad(stage)
-        if throttle is not None:  # before the busy clock wraps them: a slowed stage counts as busy, not idle
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, throttle.wrap(getattr(stage, name)))
+        if hooks is not None:
+            hooks.fire("on_pipeline_stage", stage, spec)
         stages.append(stage)
     step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
-    step.throttle = throttle
     cls = SCHEDULES[layout.pp_schedule]
     stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
     step.schedule = cls(stage_arg, layout.microbatches, loss_fn=step.loss_fn, scale_grads=True)

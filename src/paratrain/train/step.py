@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.parallel.collective_hooks import collective
 from paratrain.train.data import Batch
+from paratrain.train.step_runner import run_after_optimizer_step
 
 # fp8: torchao's float8 linears do their own casts; everything around them runs as under bf16
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -57,11 +59,15 @@ def plain_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 class PlainStep:
-    """Forward + backward over the micro-batches of one step, for every strategy without a pipeline."""
+    """Forward + backward over the micro-batches of one step, for every strategy without a pipeline.
+    A StepRunner (train/step_runner.py)."""
+
+    microbatches = None  # one forward per micro-batch handed in
+    last_timing = None
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
                  prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False,
-                 loss_weight: float | None = None, throttle=None):
+                 loss_weight: float | None = None, hooks=None):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
         self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
@@ -71,7 +77,7 @@ class PlainStep:
         # each micro-batch's loss multiplier; None: 1 / micro-batches. --dp-batch-split sets dp x this rank's
         # micro-batch / global batch, so the dp-averaged gradient is the global token-weighted mean
         self.loss_weight = loss_weight
-        self.throttle = throttle  # test-only slowdown of this rank (train/throttle.py), or None
+        self.hooks = hooks  # train/hooks.py: around_compute wraps each micro-batch's forward + backward
 
     def loss_context(self):
         if not self.loss_parallel:
@@ -83,6 +89,18 @@ class PlainStep:
     @property
     def model_parts(self) -> list[nn.Module]:
         return [self.model]
+
+    def build_optimizers(self, cfg) -> None:
+        return None  # the trainer's default
+
+    def reduce_loss(self, local: torch.Tensor) -> None:
+        return None  # the trainer's default
+
+    def after_optimizer_step(self) -> None:
+        run_after_optimizer_step(self.model_parts)
+
+    def verify_extras(self) -> dict:
+        return {}
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Mean loss over this rank's tokens (detached); leaves gradients in .grad. Under --dp-batch-split, this
@@ -99,19 +117,18 @@ class PlainStep:
                 inputs, targets, extra = self.prepare_batch(inputs, targets)
             if self.mark_graph_steps:
                 torch.compiler.cudagraph_mark_step_begin()
-            if self.throttle:
-                self.throttle.start()
-            with _no_grad_sync(self.model, last), self.loss_context():
+            with self.compute_context(i), _no_grad_sync(self.model, last), self.loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
                 loss = self.loss_fn(logits, targets)
                 loss = loss / n if self.loss_weight is None else loss * self.loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            if self.throttle:
-                self.throttle.stop()
             loss = loss.detach()
             total += plain_loss(loss)
         return total
+
+    def compute_context(self, index: int):
+        return self.hooks.compute(index) if self.hooks is not None else contextlib.nullcontext()
 
 
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
@@ -125,7 +142,8 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, pp_group=Non
         norm = norm.full_tensor()
     if pp_group is not None:
         squared = norm.float() ** 2
-        dist.all_reduce(squared, group=pp_group)
+        collective("grad_norm", "pp", "all_reduce", pp_group, lambda: dist.all_reduce(squared, group=pp_group),
+                   (squared,))
         norm = squared.sqrt()
     if max_norm > 0 and grads:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -21,9 +20,9 @@ from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
+from paratrain.parallel.collective_hooks import collective, set_step
 from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.mutations import mutation, skip_shard_update
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven import dp_loss_weight, dp_shares
@@ -31,33 +30,30 @@ from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.faults import RunFailed
+from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
-from paratrain.train.throttle import Throttle
+from paratrain.train.step_runner import StepRunner
 
 log = logging.getLogger("paratrain")
-LOADER_DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"  # test-only, see test_loader_delay_s()
-# test-only, next to it: PARATRAIN_TEST_RANK_SLOWDOWN="RANK:FACTOR[,...]" stretches those ranks' compute
-# FACTOR x (a slower GPU in a mixed cluster); see train/throttle.py
-
-
-def test_loader_delay_s() -> float:
-    """Test-only: PARATRAIN_TEST_LOADER_DELAY_S=SECONDS makes the prefetcher sleep per batch (a slow loader)."""
-    return float(os.environ.get(LOADER_DELAY_ENV) or 0.0)
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
-                 layout: Layout | None = None, custom=None):
+                 layout: Layout | None = None, custom=None, hooks: Hooks | None = None):
         """`layout`: the run's Layout (default: resolved from cfg for this world), e.g. a single-device
-        reference inside a multi-rank job (verify). `custom`: a user's own model (train/custom.py), not a preset."""
+        reference inside a multi-rank job (verify). `custom`: a user's own model (train/custom.py), not a preset.
+        `hooks`: a registry of extension points (train/hooks.py, docs/hooks.md); default: this process's, with
+        what PARATRAIN_PLUGINS loads. The trainer holds a child of it, `self.hooks`: attach to that to reach
+        this trainer alone."""
         from paratrain.parallel.checks import check_layout
 
         self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
+        self.hooks = Hooks(hooks if hooks is not None else default_hooks())
         layout = layout or resolve_layout(cfg, runtime.world_size)
         self.distributed = layout.world > 1
         self.custom = custom
@@ -122,28 +118,53 @@ class Trainer:
         self.fingerprint = ckpt.model_fingerprint(self.model_meta)
         self.last_checkpoint: Path | None = None
         self.run_id: str | None = None  # set by maybe_resume(): whose checkpoints prune may remove
-        self.phase_timer = None  # per-phase timing hooks, set by doctor/capture.py
 
     # -- assembly -----------------------------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
         return self.layout.dp_rank(self.rt.rank) if self.distributed else 0
 
-    def _build_step_runner(self, model):
+    def _plan_for(self):
+        """plan_for(model, **options) -> the TP plan: the model family's (or the custom model's), then the
+        tp_plan hooks'."""
         layout = self.layout
-        throttle = Throttle.for_rank(self.rt.rank, self.rt.device_type)  # test-only; None unless asked for
-        use_autocast = layout.dtype != "fp32"
-        plan_for = self.custom.plan_for if self.custom else \
+        base = self.custom.plan_for if self.custom else \
             functools.partial(hf_tp_plan if self.hf else tp_plan_for, tp=layout.tp, sp=layout.sp)
+
+        def plan_for(model, **options):
+            return self.hooks.apply_tp_plan(model, base(model, **options))
+
+        return plan_for
+
+    def _prepare_batch(self, own):
+        """The runner's batch preparation: `own` (context parallel's sharding, or None), then the prepare_batch
+        hooks'; None while neither exists."""
+        hooks, layout = self.hooks, self.layout
+        if own is None and not hooks.has("prepare_batch"):
+            return None
+
+        def prepare(inputs, targets):
+            extra = {}
+            if own is not None:
+                inputs, targets, extra = own(inputs, targets)
+            return hooks.apply_prepare_batch(inputs, targets, extra, layout)
+
+        return prepare
+
+    def _build_step_runner(self, model) -> StepRunner:
+        layout = self.layout
+        use_autocast = layout.dtype != "fp32"
+        plan_for = self._plan_for()
         if layout.pp_enabled:
             from paratrain.train.pipeline_step import build_pipeline_step
 
-            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, throttle)
+            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, self.hooks)
         prepare = None
         if layout.cp_enabled:
             from paratrain.parallel.context_parallel import sequence_sharder
 
             prepare = sequence_sharder(layout)
+        prepare = self._prepare_batch(prepare)
         graphs = self.cfg.cuda_graphs  # one GPU (train/precision.py): the whole model, captured
         # on one device too: AC and compile live there. Under a built-in TP plan the logits stay vocab-sharded
         # (loss parallel: no all-gather of the logits); the loss then runs under loss_parallel()
@@ -152,6 +173,7 @@ class Trainer:
         if layout.tp_enabled:
             plan = plan_for(model, loss_parallel=True) if loss_parallel else plan_for(model)
         model = parallelize(model, layout.replace(compile=False) if graphs else layout, plan)
+        self.hooks.fire("after_parallelize", model, layout)
         if graphs:
             from paratrain.parallel.compile import apply_compile
 
@@ -167,13 +189,15 @@ class Trainer:
             loss_fn = compile_loss(loss_fn)
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
                          loss_parallel=loss_parallel, mark_graph_steps=graphs,
-                         loss_weight=dp_loss_weight(layout, self.dp_rank), throttle=throttle)
+                         loss_weight=self.hooks.apply_loss_weight(layout, self.dp_rank,
+                                                                  dp_loss_weight(layout, self.dp_rank)),
+                         hooks=self.hooks)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg
-        make = getattr(self.step_runner, "build_optimizers", None)
-        if make is not None:
-            return make(cfg)
+        own = self.step_runner.build_optimizers(cfg)
+        if own is not None:
+            return own
         if self.layout.zero_stage == 1:
             from paratrain.parallel.data_parallel import build_zero1_optimizer
 
@@ -214,18 +238,20 @@ class Trainer:
 
     # -- the step -------------------------------------------------------------------------------------------
     def global_loss(self, local: torch.Tensor) -> float:
-        reducer = getattr(self.step_runner, "reduce_loss", None)
-        if reducer is not None:
-            return reducer(local)
+        reduced = self.step_runner.reduce_loss(local)
+        if reduced is not None:
+            return reduced
         if self.distributed:
-            group = self.layout.submesh("dp_cp")
-            if group is not None:
-                local = local.clone()
-                dist.all_reduce(local, group=group.get_group())
-                local /= group.size()
+            mesh = self.layout.submesh("dp_cp")
+            if mesh is not None:
+                local, group = local.clone(), mesh.get_group()
+                collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(local, group=group),
+                           (local,))
+                local /= mesh.size()
         return float(local.item())
 
     def optimizer_step(self) -> tuple[float, float]:
+        self.hooks.fire("on_gradients", self)
         lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
         for opt in self.optimizers:
             set_lr(opt, lr)
@@ -233,8 +259,7 @@ class Trainer:
                 self.scaler.unscale_(opt)
         pp_group = self.layout.submesh("pp").get_group() if self.layout.pp_enabled else None
         norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
-        if mutation("fsdp-skip-update") and self.layout.fsdp:  # TEST-ONLY mutation (b), see parallel/mutations.py
-            skip_shard_update(self.step_runner.model_parts)
+        self.hooks.fire("before_optimizer_step", self)
         for opt in self.optimizers:
             if self.scaler:
                 self.scaler.step(opt)
@@ -242,28 +267,28 @@ class Trainer:
                 opt.step()
         if self.scaler:
             self.scaler.update()
-        for part in self.step_runner.model_parts:  # e.g. local SGD's periodic parameter averaging
-            after_step = getattr(part, "after_optimizer_step", None)
-            if after_step is not None:
-                after_step()
+        self.step_runner.after_optimizer_step()  # e.g. local SGD's periodic parameter averaging
         return lr, float(norm)
 
     def train_step(self, micro_batches) -> dict:
-        timer = self.phase_timer  # None unless `paratrain doctor` is measuring: then it only reads clocks
-        if timer:
-            timer.begin()
+        """One optimizer step on these micro-batches, through the wrap_step hooks."""
+        if not self.hooks.has("wrap_step"):
+            return self._train_step(micro_batches)
+        return self.hooks.run_step(self, micro_batches, self._train_step)
+
+    def _train_step(self, micro_batches) -> dict:
+        hooks = self.hooks  # on_phase: doctor's phase timer, --monitor's clock (they only read clocks)
+        set_step(self.step + 1)
+        hooks.phase("start")
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
-        if timer:
-            timer.mark("forward_backward")
+        hooks.phase("forward_backward")
         lr, norm = self.optimizer_step()
-        if timer:
-            timer.mark("optimizer")
+        hooks.phase("optimizer")
         self.step += 1
         loss = self.global_loss(local)
-        if timer:
-            timer.mark("loss_sync")
+        hooks.phase("loss_sync")
         return {"loss": loss, "lr": lr, "grad_norm": norm}
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -280,9 +305,10 @@ class Trainer:
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
         if main and not self.quiet and self.data_tokens is not None:
             self.log_data()
-        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", delay_s=test_loader_delay_s(),
-                              timeout_s=cfg.timeout_s)
+        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", timeout_s=cfg.timeout_s,
+                              before_batch=self._before_batch())
         monitor = self.start_monitor(steplog) if cfg.monitor else None
+        monitor_clock = self.hooks.on_phase(monitor.clock.on_phase) if monitor else None
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
         measured_steps = 0
         # wall_s / cpu_s: stamped at the top of every step, so consecutive differences hold everything between
@@ -329,6 +355,7 @@ class Trainer:
             prefetch.close()
             if monitor:
                 monitor.close()
+                monitor_clock.remove()
             self.mem_snapshot.finish()
             if steplog:
                 steplog.close()
@@ -343,14 +370,17 @@ class Trainer:
                 "losses": [r["loss"] for r in history], **self.last_val, **self.data_summary()}
 
     def start_monitor(self, steplog):
-        """train --monitor: its clock is the phase timer unless doctor attached one (doctor measures itself)."""
+        """train --monitor; fit() attaches its clock to the on_phase hook."""
         from paratrain.train.monitor import Monitor
 
-        monitor = Monitor(self.cfg.monitor_every, self.cfg.monitor_windows, self.run_dir,
-                          steplog.file if steplog else None, self.rt.is_main, self.cfg.monitor_port)
-        if self.phase_timer is None:
-            self.phase_timer = monitor.clock
-        return monitor
+        return Monitor(self.cfg.monitor_every, self.cfg.monitor_windows, self.run_dir,
+                       steplog.file if steplog else None, self.rt.is_main, self.cfg.monitor_port)
+
+    def _before_batch(self):
+        """The prefetcher's before_batch callback (on its thread), or None while no hook is registered."""
+        if not self.hooks.has("before_batch"):
+            return None
+        return functools.partial(self.hooks.fire, "before_batch")
 
     def data_summary(self) -> dict:
         if self.data_tokens is None:
@@ -377,9 +407,7 @@ class Trainer:
         from paratrain.parallel.model_states import gather_model_state_bytes
 
         extras = {"model_state_bytes": gather_model_state_bytes(self.step_runner.model_parts, self.optimizers)}
-        runner_extras = getattr(self.step_runner, "verify_extras", None)  # e.g. the pipeline's busy/idle timing
-        if runner_extras is not None:
-            extras.update(runner_extras())
+        extras.update(self.step_runner.verify_extras())  # e.g. the pipeline's busy/idle timing
         return extras
 
     def memory_gib(self) -> float:

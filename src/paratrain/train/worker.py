@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
-from paratrain.train.faults import KILL_ENV as FAULT_ENV  # noqa: F401 - kept for callers of the old name
 from paratrain.train.faults import CollectiveFailure, describe_collective_failure, fault_hook
 
 log = logging.getLogger("paratrain")
