@@ -1,0 +1,170 @@
+"""The GPU suite's rows, most valuable first, and the command line each one runs (benchmarks/gpu_suite.py).
+
+A row is one child process: `paratrain train/verify/doctor/plan --calibrate`, or the hand-written loop of
+benchmarks/mfu.py (benchmarks/gpu_suite_plain.py). `--dry-run` turns every row into its CPU twin (a tiny
+model of the same family, seq 64, micro-batch 2, fp32, eager, a few steps) and leaves the command otherwise
+as the GPU runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# a ~1B Llama: llama-162m's 12 heads of 128 at width 1536, 32 blocks, SwiGLU 4096 (1.06B parameters)
+LLAMA_1B = {"dim": 1536, "n_layers": 32, "ffn_dim": 4096}
+CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny"}
+CPU_SHAPE = {"dim": 96, "n_layers": 3, "ffn_dim": 256}  # the ~1B row's CPU twin: still a config-file shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    kind: str  # train | plain | verify | doctor | calibrate
+    model: str = "gpt2-124m"
+    dtype: str = "bf16"
+    compile: bool = False
+    cuda_graphs: bool = False
+    micro_batch: int = 16
+    seq_len: int = 1024
+    shape: tuple = ()  # config overrides as (key, value) pairs: the ~1B row
+    cold_s: float = 60.0  # guessed seconds on one H100, cold compile cache (results.json records real ones)
+    warm_s: float = 20.0  # the same once a prewarm compiled its kernels
+    pair: str | None = None  # train rows: the plain-loop row to compare with
+    steps: int = 40
+    warmup: int = 10
+    name: str = ""  # a --dry-run twin keeps its GPU row's id
+
+    @property
+    def mode(self) -> str:
+        return "compile-cudagraphs" if self.cuda_graphs else "compile" if self.compile else "eager"
+
+    @property
+    def model_label(self) -> str:
+        return "llama-1b" if self.shape and self.model == "llama-162m" else self.model
+
+    @property
+    def id(self) -> str:
+        if self.name:
+            return self.name
+        if self.kind == "calibrate":
+            return "calibrate"
+        if self.kind == "verify":
+            return f"verify-{self.model_label}-{self.dtype}-{self.mode}"
+        return f"{self.model_label}-{self.dtype}-{self.mode}-mb{self.micro_batch}-{self.kind}"
+
+    def needs(self) -> list[str]:
+        """What the machine must have: fp8 (Hopper/Ada + torchao), cuda_graphs, compile (triton on a GPU)."""
+        out = []
+        if self.dtype == "fp8":
+            out.append("fp8")
+        if self.cuda_graphs:
+            out.append("cuda_graphs")
+        if self.compile:
+            out.append("compile")
+        return out
+
+    def cpu_twin(self) -> Row:
+        """The --dry-run row: same id, kind and command, a tiny model on CPU, eager (inductor's C++ build of
+        even the tiny model takes ~25 s a row on a 2-core machine); cuda_graphs and fp8 stay, so they skip."""
+        if self.kind == "calibrate":
+            return dataclasses.replace(self, name=self.id, cold_s=20.0, warm_s=20.0)
+        shape = tuple(CPU_SHAPE.items()) if self.shape else ()
+        dtype = self.dtype if self.kind == "verify" or self.dtype == "fp8" else "fp32"
+        return dataclasses.replace(self, name=self.id, model=CPU_TWIN[self.model], shape=shape, dtype=dtype,
+                                   compile=False, seq_len=64, micro_batch=2, steps=4, warmup=1, cold_s=10.0,
+                                   warm_s=10.0)
+
+
+def _train(model, dtype, mode, mb, **kw) -> list[Row]:
+    """A paratrain train row, and (plain=True) the hand-written loop of the same step right after it."""
+    plain = kw.pop("plain", False)
+    pair = kw.pop("pair", None)
+    base = Row("train", model, dtype, compile=mode != "eager", cuda_graphs=mode == "compile-cudagraphs",
+               micro_batch=mb, **kw)
+    if not plain:
+        return [dataclasses.replace(base, pair=pair)]
+    twin = dataclasses.replace(base, kind="plain")
+    return [dataclasses.replace(base, pair=twin.id), twin]
+
+
+def _graphs_pair(model: str, dtype: str, mb: int, shape: tuple = ()) -> str:
+    """CUDA graphs rows compare with the plain compiled loop (the plain loop has no graph variant)."""
+    return Row("plain", model, dtype, compile=True, micro_batch=mb, shape=shape).id
+
+
+# Most valuable first: the budget cuts from the bottom. Guessed times are for one H100 (results.json records
+# each row's wall time, to correct them after the first run).
+GPU_ROWS: list[Row] = [
+    *_train("gpt2-124m", "bf16", "compile", 16, plain=True, cold_s=75, warm_s=25),
+    *_train("gpt2-124m", "bf16", "compile-cudagraphs", 16, pair=_graphs_pair("gpt2-124m", "bf16", 16),
+            cold_s=80, warm_s=30),
+    *_train("gpt2-124m", "fp8", "compile", 16, cold_s=90, warm_s=30),
+    Row("calibrate", cold_s=30, warm_s=30),
+    Row("verify", "gpt2-124m", "fp32", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
+    Row("verify", "gpt2-124m", "bf16", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
+    Row("plain", "gpt2-124m", "fp8", compile=True, cold_s=80, warm_s=25),
+    *_train("gpt2-124m", "bf16", "eager", 16, plain=True, cold_s=25, warm_s=25),
+    *_train("llama-162m", "bf16", "compile", 16, plain=True, cold_s=75, warm_s=25),
+    *_train("llama-162m", "bf16", "compile-cudagraphs", 16, pair=_graphs_pair("llama-162m", "bf16", 16),
+            cold_s=80, warm_s=30),
+    *_train("llama-162m", "fp8", "compile", 16, cold_s=90, warm_s=30),
+    Row("doctor", "gpt2-124m", "bf16", compile=True, steps=5, warmup=3, cold_s=60, warm_s=35),
+    *_train("gpt2-124m", "bf16", "compile", 32, plain=True, cold_s=75, warm_s=25),
+    *_train("gpt2-124m", "bf16", "compile-cudagraphs", 32, pair=_graphs_pair("gpt2-124m", "bf16", 32),
+            cold_s=80, warm_s=30),
+    *_train("gpt2-124m", "fp8", "compile", 32, cold_s=90, warm_s=30),
+    Row("verify", "gpt2-124m", "bf16", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=80, warm_s=80),
+    Row("verify", "gpt2-124m", "fp8", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=90, warm_s=90),
+    *_train("llama-162m", "bf16", "eager", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=45,
+            warm_s=45),
+    *_train("llama-162m", "bf16", "compile", 8, plain=True, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5,
+            cold_s=180, warm_s=60),
+    *_train("llama-162m", "fp8", "compile", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=200,
+            warm_s=70),
+]
+
+
+def config_toml(row: Row) -> str | None:
+    """The run config file a shaped row needs (the CLI has no --dim/--n-layers; the TOML does)."""
+    if not row.shape:
+        return None
+    return "".join(f"{k} = {v}\n" for k, v in row.shape)
+
+
+def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | None, prewarm: bool = False,
+            calibrate_rounds: int = 5) -> list[str]:
+    """The child's argv. `prewarm`: the same step for two or three steps, only to fill the compile caches."""
+    py = sys.executable
+    common = ["--model", row.model, "--strategy", "single", "--nproc", "1", "--device", device,
+              "--dtype", row.dtype, "--seq-len", str(row.seq_len), "--global-batch", str(row.micro_batch),
+              "--compile" if row.compile else "--no-compile"]
+    if config is not None:
+        common += ["--config", str(config)]
+    if row.kind == "calibrate":
+        return [py, "-m", "paratrain.cli", "plan", "--calibrate", "--nproc", "1", "--calibrate-rounds",
+                str(calibrate_rounds), "--hardware", str(profile), "--json"]
+    if row.kind == "verify":
+        return [py, "-m", "paratrain.cli", "verify", *common, "--steps", str(row.steps), "--json"]
+    if row.kind == "doctor":
+        return [py, "-m", "paratrain.cli", "doctor", *common, "--steps", str(row.steps),
+                "--warmup", str(row.warmup), "--probe-rounds", "1", "--trace", str(row_dir / "trace.json"),
+                "--out", str(row_dir / "run"), "--json"]
+    steps = (3 if row.cuda_graphs else 2) if prewarm else row.steps
+    if row.kind == "plain":
+        extra = ["--config", str(config)] if config else []
+        return [py, str(HERE / "gpu_suite_plain.py"), "--model", row.model, "--device", device,
+                "--dtype", row.dtype, "--seq-len", str(row.seq_len), "--micro-batch", str(row.micro_batch),
+                "--compile" if row.compile else "--no-compile", "--warmup", str(1 if prewarm else row.warmup),
+                "--steps", str(1 if prewarm else row.steps - row.warmup), *extra]
+    return [py, "-m", "paratrain.cli", "train", *common, "--micro-batch", str(row.micro_batch),
+            "--cuda-graphs" if row.cuda_graphs else "--no-cuda-graphs", "--steps", str(steps), "--lr", "3e-4",
+            "--resume", "never", "--ckpt-every", "0", "--out", str(row_dir / ("prewarm" if prewarm else "run")),
+            "--json"]
+
+
+def code_path(row: Row) -> tuple:
+    """What a --dry-run needs to run once: each kind of child (verify once per dtype), plain and shaped."""
+    return row.kind, row.dtype if row.kind == "verify" else None, bool(row.shape)
