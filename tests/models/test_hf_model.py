@@ -64,7 +64,7 @@ def test_decoder_layers_come_from_no_split_modules(tmp_path):
     ({"hidden_size": 8}, "model_type"),
 ])
 def test_bad_configs_are_one_line(tmp_path, doc, message):
-    from paratrain.models.hf_args import hf_model_args
+    from paratrain.models.hf_shape import hf_model_args
 
     (tmp_path / "config.json").write_text(json.dumps(doc))
     with pytest.raises(UserError, match=message):
@@ -74,7 +74,7 @@ def test_bad_configs_are_one_line(tmp_path, doc, message):
 
 
 def test_model_args_read_the_shape(tmp_path):
-    from paratrain.models.hf_args import hf_model_args
+    from paratrain.models.hf_shape import hf_model_args
 
     mistral = hf_model_args(f"hf:{write_config(tmp_path, 'mistral')}")
     assert (mistral.dim, mistral.n_layers, mistral.n_heads, mistral.kv_heads, mistral.ffn_dim, mistral.family) == \
@@ -86,9 +86,9 @@ def test_model_args_read_the_shape(tmp_path):
 
 def test_refusals_tp_without_a_plan_pp_with_tp_and_pp_of_a_tied_model(tmp_path):
     from paratrain.config import TrainConfig
-    from paratrain.models.hf_args import hf_model_args
     from paratrain.models.hf_model import check_hf_run
     from paratrain.models.hf_pipeline import pipeline_view
+    from paratrain.models.hf_shape import hf_model_args
     from paratrain.models.hf_tp_plan import hf_tp_plan
     from paratrain.parallel.strategies import resolve_layout
 

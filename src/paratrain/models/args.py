@@ -21,7 +21,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     family: str = "llama"  # "llama" (this file) or "gpt2" (models/gpt2.py: LayerNorm, GELU, learned positions)
-    tie_embeddings: bool = False  # gpt2 only: the output head shares the token table
+    tie_embeddings: bool = False  # the output head shares the token table (paratrain's Llama builds it untied)
 
     @property
     def kv_heads(self) -> int:

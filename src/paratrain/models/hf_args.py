@@ -9,7 +9,6 @@ the model type is in UNGATED, the GELU two-matrix MLP of GPT-2 and its kin.
 from __future__ import annotations
 
 from paratrain.errors import UserError
-from paratrain.models.hf_files import read_hf_config
 from paratrain.models.hf_model import hf_config_object
 from paratrain.models.llama import ModelArgs
 
@@ -22,13 +21,8 @@ def _positive(value, key: str, where: str) -> int:
     return value
 
 
-def hf_model_args(spec: str, seq_len: int | None = None) -> ModelArgs:
-    """ModelArgs of `hf:PATH` (its name is the spec), with room for `seq_len`."""
-    doc = read_hf_config(spec)
-    return args_from_doc(doc, spec, seq_len)
-
-
 def args_from_doc(doc: dict, name: str, seq_len: int | None = None) -> ModelArgs:
+    """Any other architecture, through its transformers config class (hf_shape.py reads the common ones bare)."""
     config = hf_config_object(doc, name)
     kind = doc["model_type"]
 

@@ -65,7 +65,7 @@ def model_args_for(cfg) -> ModelArgs:
 
     shape = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "ffn_dim") if getattr(cfg, k) is not None}
     if is_hf_model(cfg.model):  # a transformers model's config.json: its own shape, no overrides
-        from paratrain.models.hf_args import hf_model_args
+        from paratrain.models.hf_shape import hf_model_args
 
         if shape:
             raise UserError(f"--model {cfg.model} takes its shape from its config.json; edit that instead of "
