@@ -20,6 +20,7 @@ from paratrain.parallel.strategies import STRATEGY_TABLE, resolve_layout
 from paratrain.plan.command import fixed_choices
 from paratrain.plan.hardware import profile_from_spec
 from paratrain.plan.report import candidate_doc
+from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job, search
 
 BASE = {"model": "tiny4", "seq_len": 64, "global_batch": 8, "device": "cpu"}
@@ -50,7 +51,7 @@ def planner_candidates(cfg: TrainConfig, world: int, given: dict) -> tuple[Job, 
     opts = {"gpus": world, "strategy": cfg.strategy, **lay.degrees(), "micro_batch": lay.micro_batch,
             "ac": cfg.ac, "sp": None, "cp_impl": None, "pp_schedule": given.get("pp_schedule"),
             "virtual_stages": given.get("virtual_stages")}
-    fixed = fixed_choices(opts)
+    fixed = fixed_choices(PlanRequest.of(opts))
     spec = dataclasses.replace(get_gpu("cpu"), gpus_per_node=world, mem_gib=1024)
     job = Job(args=args, model_name=cfg.model, gpus=world, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
               dtype=cfg.dtype, device_type="cpu")

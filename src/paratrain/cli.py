@@ -20,6 +20,9 @@ from typing import Optional
 import typer
 
 from paratrain.errors import CheckFailed, UserError
+from paratrain.parallel.dims import all_dims
+from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES, one_of
+from paratrain.parallel.strategies import STRATEGY_TABLE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make the right parallel strategy easy, provable and fast.")
@@ -40,8 +43,7 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("config", Optional[Path], _opt(None, "--config", help="TOML run config (default: the embedded tiny-cpu)")),
     ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, llama3-8b, llama2-70b; "
                                                     "or hf:PATH, a transformers model directory or config.json")),
-    ("strategy", Optional[str], _opt(None, "--strategy", help="single, ddp, zero1, zero2, zero3, fsdp, hsdp, model, "
-                                                                "tp, tp-sp, pp, cp-ring, cp-ulysses, auto")),
+    ("strategy", Optional[str], _opt(None, "--strategy", help=", ".join((*STRATEGY_TABLE, "auto")))),
     ("nproc", Optional[int], _opt(None, "--nproc", help="processes (devices) on this machine")),
     ("device", Optional[str], _opt(None, "--device", help="auto | cpu | cuda")),
     ("steps", Optional[int], _opt(None, "--steps", help="optimizer steps")),
@@ -53,19 +55,15 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("cuda_graphs", Optional[bool], _opt(None, "--cuda-graphs/--no-cuda-graphs",
                                          help="one GPU: compile the whole model with CUDA graphs")),
     ("loss_chunks", Optional[int], _opt(None, "--loss-chunks", help="cross-entropy in N token chunks (1: plain)")),
-    ("ac", Optional[str], _opt(None, "--ac", help="activation checkpointing: none | selective | full")),
+    ("ac", Optional[str], _opt(None, "--ac", help=f"activation checkpointing: {one_of(AC_MODES)}")),
     ("compile", Optional[bool], _opt(None, "--compile/--no-compile", help="torch.compile each block")),
     ("memory_snapshot", Optional[bool], _opt(None, "--memory-snapshot/--no-memory-snapshot",
                                              help="CUDA: record memory history; dump a snapshot for "
                                                   "pytorch.org/memory_viz into the run directory")),
-    ("dp_replicate", Optional[int], _opt(None, "--dp-replicate", help="data-parallel replicas")),
-    ("dp_shard", Optional[int], _opt(None, "--dp-shard", help="data-parallel shards (FSDP / ZeRO)")),
-    ("tp", Optional[int], _opt(None, "--tp", help="tensor-parallel degree")),
-    ("pp", Optional[int], _opt(None, "--pp", help="pipeline-parallel degree")),
-    ("cp", Optional[int], _opt(None, "--cp", help="context-parallel degree")),
+    *[(d.name, Optional[int], _opt(None, d.flag, help=d.help)) for d in all_dims()],  # the degrees (dims.py)
     ("sp", Optional[bool], _opt(None, "--sp/--no-sp", help="sequence parallel (with tp)")),
-    ("cp_impl", Optional[str], _opt(None, "--cp-impl", help="ring | ulysses")),
-    ("pp_schedule", Optional[str], _opt(None, "--pp-schedule", help="gpipe | 1f1b | interleaved-1f1b | zero-bubble")),
+    ("cp_impl", Optional[str], _opt(None, "--cp-impl", help=one_of(CP_IMPLS))),
+    ("pp_schedule", Optional[str], _opt(None, "--pp-schedule", help=one_of(PP_SCHEDULES))),
     ("microbatches", Optional[int], _opt(None, "--microbatches", help="pipeline micro-batches per step")),
     ("virtual_stages", Optional[int], _opt(None, "--virtual-stages", help="pipeline stages per rank")),
     ("dp_batch_split", Optional[str], _opt(None, "--dp-batch-split",
@@ -97,24 +95,30 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
                                             help="consecutive windows over a threshold before an alert (default 3)")),
     ("monitor_port", Optional[int], _opt(None, "--monitor-port", help="serve Prometheus text on 127.0.0.1:PORT")),
 ]
-TRAIN_KEYS = [name for name, _, _ in TRAIN_OPTIONS]
 
 
-def with_train_options(func):
-    """Give a command every train option; they arrive as one dict in the `train_opts` argument."""
-    sig = inspect.signature(func)
-    own = [p for p in sig.parameters.values() if p.name != "train_opts"]
-    taken = {p.name for p in own}
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-             for n, a, d in TRAIN_OPTIONS if n not in taken]
+def with_options(options: list[tuple[str, object, object]], into: str):
+    """Give a command every option of `options` it does not declare itself (after its own); they arrive as one
+    dict in its `into` argument."""
+    def decorate(func):
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.name != into]
+        taken = {p.name for p in own}
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+                 for n, a, d in options if n not in taken]
 
-    @functools.wraps(func)
-    def wrapper(**kwargs):
-        opts = {k: kwargs.pop(k) for k in TRAIN_KEYS if k in kwargs and k not in taken}
-        return func(**kwargs, train_opts=opts)
+        @functools.wraps(func)
+        def wrapper(**kwargs):
+            opts = {n: kwargs.pop(n) for n, _, _ in options if n in kwargs and n not in taken}
+            return func(**kwargs, **{into: opts})
 
-    wrapper.__signature__ = sig.replace(parameters=own + extra)
-    return wrapper
+        wrapper.__signature__ = sig.replace(parameters=own + extra)
+        return wrapper
+
+    return decorate
+
+
+with_train_options = with_options(TRAIN_OPTIONS, "train_opts")
 
 
 def resolve_config(opts: dict, **forced):
@@ -381,80 +385,82 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
 
 
 # -- plan ----------------------------------------------------------------------------------------------------------
+PLAN_OPTIONS: list[tuple[str, object, object]] = [
+    ("model", Optional[str], typer.Option(None, "--model", help="model preset (see train --help), or hf:PATH")),
+    ("hf_config", Optional[Path], typer.Option(None, "--hf-config", help="a Hugging Face config.json or its directory (any decoder-only causal LM)")),
+    ("gpu", Optional[str], typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
+                                                             "rtx4090, l4, l40s, cpu; or a list per node in rank "
+                                                             "order for a mixed cluster: h100-sxm:8,a100-80:8")),
+    ("cluster", Optional[Path], typer.Option(None, "--cluster", help="mixed cluster JSON: nodes with GPU type, "
+                                                                     "count, links, speed (docs/mixed-clusters.md)")),
+    ("gpus", Optional[int], typer.Option(None, "--gpus", help="total GPUs (devices)")),
+    ("nodes", Optional[int], typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))")),
+    ("seq_len", Optional[int], typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)")),
+    ("global_batch", Optional[int], typer.Option(None, "--global-batch", help="sequences per step (default 16)")),
+    ("dtype", str, typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Hopper)")),
+    ("compile", bool, typer.Option(False, "--compile", help="the run uses torch.compile (fused elementwise)")),
+    ("top", int, typer.Option(10, "--top", help="candidates to list")),
+    ("search", str, typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
+                                                          "every layout)")),
+    ("strategy", Optional[str], typer.Option(None, "--strategy", help="fix the strategy family (e.g. zero3)")),
+    *[(d.name, Optional[int], typer.Option(None, d.flag, help=d.plan_help)) for d in all_dims()],  # dims.py
+    ("micro_batch", Optional[int], typer.Option(None, "--micro-batch", help="fix: sequences per forward per GPU")),
+    ("ac", Optional[str], typer.Option(None, "--ac", help=f"fix: {one_of(AC_MODES)}")),
+    ("sp", Optional[bool], typer.Option(None, "--sp/--no-sp", help="fix: sequence parallel with tp")),
+    ("cp_impl", Optional[str], typer.Option(None, "--cp-impl", help=f"fix: {one_of(CP_IMPLS)}")),
+    ("pp_schedule", Optional[str], typer.Option(None, "--pp-schedule", help=f"fix: {one_of(PP_SCHEDULES)}")),
+    ("virtual_stages", Optional[int], typer.Option(None, "--virtual-stages", help="fix: stages per pipeline rank")),
+    ("hardware", Optional[Path], typer.Option(None, "--hardware", help="hardware profile JSON (from --calibrate)")),
+    ("calibrate", bool, typer.Option(False, "--calibrate", help="measure this machine; save to --hardware FILE "
+                                                                "(default ~/.cache/paratrain/hardware-profile.json)")),
+    ("nproc", int, typer.Option(2, "--nproc", help="processes for --calibrate")),
+    ("calibrate_rounds", int, typer.Option(9, "--calibrate-rounds", min=1, max=100,
+                                           help="--calibrate: timed rounds of each reference step (fewer: "
+                                                "faster, noisier fit; 1 also warms up once, not twice)")),
+    ("peak_tflops", Optional[float], typer.Option(None, "--peak-tflops", help="custom GPU: dense TFLOP/s")),
+    ("mem_gib", Optional[float], typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB")),
+    ("intra_node_gbs", Optional[float], typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way")),
+    ("inter_node_gbs", Optional[float], typer.Option(None, "--inter-node-gbs", help="GB/s per GPU, one way")),
+    ("as_json", bool, typer.Option(False, "--json", help="print the plan as JSON on stdout")),
+]
+
+
 @app.command()
-def plan(model: Optional[str] = typer.Option(None, "--model", help="model preset (see train --help), or hf:PATH"),
-         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="a Hugging Face config.json or its directory (any decoder-only causal LM)"),
-         gpu: Optional[str] = typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
-                                                               "rtx4090, l4, l40s, cpu; or a list per node in rank "
-                                                               "order for a mixed cluster: h100-sxm:8,a100-80:8"),
-         cluster: Optional[Path] = typer.Option(None, "--cluster", help="mixed cluster JSON: nodes with GPU type, "
-                                                                       "count, links, speed (docs/mixed-clusters.md)"),
-         gpus: Optional[int] = typer.Option(None, "--gpus", help="total GPUs (devices)"),
-         nodes: Optional[int] = typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))"),
-         seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
-         global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step (default 16)"),
-         dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Hopper)"),
-         compile: bool = typer.Option(False, "--compile", help="the run uses torch.compile (fused elementwise)"),
-         top: int = typer.Option(10, "--top", help="candidates to list"),
-         search: str = typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
-                                                             "every layout)"),
-         strategy: Optional[str] = typer.Option(None, "--strategy", help="fix the strategy family (e.g. zero3)"),
-         dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="fix: data-parallel replicas"),
-         dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="fix: data-parallel shards"),
-         tp: Optional[int] = typer.Option(None, "--tp", help="fix: tensor-parallel degree"),
-         pp: Optional[int] = typer.Option(None, "--pp", help="fix: pipeline degree"),
-         cp: Optional[int] = typer.Option(None, "--cp", help="fix: context-parallel degree"),
-         micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="fix: sequences per forward per GPU"),
-         ac: Optional[str] = typer.Option(None, "--ac", help="fix: none | selective | full"),
-         sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="fix: sequence parallel with tp"),
-         cp_impl: Optional[str] = typer.Option(None, "--cp-impl", help="fix: ring | ulysses"),
-         pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="fix: gpipe | 1f1b | "
-                                                                              "interleaved-1f1b | zero-bubble"),
-         virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="fix: stages per pipeline rank"),
-         hardware: Optional[Path] = typer.Option(None, "--hardware", help="hardware profile JSON (from --calibrate)"),
-         calibrate: bool = typer.Option(False, "--calibrate", help="measure this machine; save to --hardware FILE "
-                                                                   "(default ~/.cache/paratrain/hardware-profile.json)"),
-         nproc: int = typer.Option(2, "--nproc", help="processes for --calibrate"),
-         calibrate_rounds: int = typer.Option(9, "--calibrate-rounds", min=1, max=100,
-                                              help="--calibrate: timed rounds of each reference step (fewer: "
-                                                   "faster, noisier fit; 1 also warms up once, not twice)"),
-         peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="custom GPU: dense TFLOP/s"),
-         mem_gib: Optional[float] = typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB"),
-         intra_node_gbs: Optional[float] = typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way"),
-         inter_node_gbs: Optional[float] = typer.Option(None, "--inter-node-gbs", help="GB/s per GPU, one way"),
-         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout")):
+@with_options(PLAN_OPTIONS, "plan_opts")
+def plan(plan_opts: dict = None):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
     from paratrain.plan.command import build_plan_inputs, format_plan
+    from paratrain.plan.request import PlanRequest
 
-    opts = {k: v for k, v in locals().items() if k not in ("as_json", "calibrate", "top", "search")}
-    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
-    if calibrate:
+    as_json = plan_opts.pop("as_json")
+    request = PlanRequest.of(plan_opts)
+    if request.calibrate:
         from paratrain.calibrate.run import calibrate_and_save  # only here: it imports the training stack
 
-        profile, path = calibrate_and_save(opts)
+        profile, path = calibrate_and_save(request)
         log.info("calibrated (%s); saved %s", profile.source, path)
         for note in profile.notes:
             log.info("  %s", note)
-        opts["hardware"], opts["gpu"] = path, None
-        if not (model or hf_config):
+        request = request.replace(hardware=path, gpu=None)
+        if not (request.model or request.hf_config):
             if as_json:
                 emit_json({"hardware_profile": path, **profile.to_dict()})
             return
     from paratrain.plan.cluster import is_gpu_list
 
-    if gpus is None and not (cluster or is_gpu_list(gpu)):
+    if request.gpus is None and not (request.cluster or is_gpu_list(request.gpu)):
         raise UserError("--gpus N is required")
     from paratrain.plan.report import plan_document
 
-    job, hw, fixed, mixed = build_plan_inputs(opts)
-    if search not in ("fast", "full"):
-        raise UserError(f"--search must be fast or full, got {search!r}")
-    doc = plan_document(job, hw, fixed, top=top, exhaustive=search == "full", cluster=mixed)
+    job, hw, fixed, mixed = build_plan_inputs(request)
+    if request.search not in ("fast", "full"):
+        raise UserError(f"--search must be fast or full, got {request.search!r}")
+    doc = plan_document(job, hw, fixed, top=request.top, exhaustive=request.search == "full", cluster=mixed)
     sys.stderr.write(format_plan(doc))
     if as_json:
         emit_json(doc)
-    _skip_teardown["ok"] = not calibrate  # calibration's launcher may leave cleanup to atexit
+    _skip_teardown["ok"] = not request.calibrate  # calibration's launcher may leave cleanup to atexit
 
 
 # -- launch --------------------------------------------------------------------------------------------------------

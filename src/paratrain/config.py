@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from paratrain.errors import UserError
+from paratrain.parallel.dims import all_dims
+from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE, PP_SCHEDULES
 from paratrain.parallel.strategies import STRATEGY_TABLE
 
 STRATEGIES = (*STRATEGY_TABLE, "auto")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 DEFAULT_CONFIG = "tiny-cpu.toml"
 MAX_SEED = 2**32 - 1  # the data hash multiplies the seed in 64-bit arithmetic
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -45,7 +46,7 @@ def check_text(label: str, value: str) -> None:
         raise UserError(f"{label} contains the control character U+{ord(bad):04X}, which is not allowed")
 
 
-class TrainConfig(BaseModel):
+class _RunFields(BaseModel):
     # strict: a TOML `seq_len = "16"` or `compile = "off"` is an error, not silently coerced (ints are still
     # accepted where a float is wanted); no inf/nan anywhere
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
@@ -79,23 +80,23 @@ class TrainConfig(BaseModel):
     tf32: bool = True  # fp32 on CUDA: matmuls in TF32 (MFU against the TF32 peak); False: true fp32
     cuda_graphs: bool = False  # one GPU: the whole model compiled with CUDA graphs (mode="reduce-overhead")
     loss_chunks: int = Field(1, ge=1)  # cross-entropy over N token chunks, fp32 logits of one chunk at a time
-    ac: Literal["none", "selective", "full"] = "none"
+    ac: Literal[AC_MODES] = AC_MODES[0]
     compile: bool = False
     memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
     max_restarts: int = Field(0, ge=0)
 
-    # degrees: None means "derived from the strategy"
-    dp_replicate: int | None = Field(None, ge=1)
-    dp_shard: int | None = Field(None, ge=1)
-    tp: int | None = Field(None, ge=1)
-    pp: int | None = Field(None, ge=1)
-    cp: int | None = Field(None, ge=1)
 
+# the degrees, one field per parallel dimension (parallel/dims.py): None means "derived from the strategy"
+_WithDegrees = create_model("_WithDegrees", __base__=_RunFields,
+                            **{d.name: (int | None, Field(None, ge=1)) for d in all_dims()})
+
+
+class TrainConfig(_WithDegrees):
     # strategy options
     sp: bool = False
-    cp_impl: Literal["ring", "ulysses"] = "ring"
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    cp_impl: Literal[CP_IMPLS] = CP_IMPLS[0]
+    pp_schedule: Literal[PP_SCHEDULES] = DEFAULT_PP_SCHEDULE
     microbatches: int | None = Field(None, ge=1)
     virtual_stages: int = Field(1, ge=1)
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"

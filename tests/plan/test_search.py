@@ -7,7 +7,7 @@ import pytest
 from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import get_preset
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.strategies import resolve_layout
+from paratrain.parallel.strategies import resolve_layout, train_args
 from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
 from paratrain.plan.hardware import profile_from_spec
 from paratrain.plan.memory import in_flight
@@ -85,7 +85,7 @@ def test_candidates_run_unchanged_through_train_config():
                 Layout(dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch=1, microbatches=2),
                 Layout(dp_replicate=4, zero_stage=1, micro_batch=2, microbatches=1),
                 Layout(cp=2, dp_shard=2, cp_impl="ulysses", zero_stage=3, micro_batch=4, microbatches=1)]:
-        argv = ["--model", job.model_name, *lay.train_args(job.seq_len, job.global_batch)]
+        argv = ["--model", job.model_name, *train_args(lay, job.seq_len, job.global_batch)]
         opts = {argv[i][2:].replace("-", "_"): argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("--")
                 and not argv[i + 1].startswith("--")}
         opts = {k: (int(v) if v.isdigit() else v) for k, v in opts.items()}

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from paratrain.errors import CheckFailed, UserError
+from paratrain.parallel.layout import DEGREE_NAMES
 
 log = logging.getLogger("paratrain")
 PHASE_KEYS = ("data_wait", "forward", "backward", "optimizer", "loss_sync", "other")
@@ -37,13 +38,12 @@ def bench_config(base, strategy: str, world: int, steps: int, warmup: int, scali
 
     cfg = base.model_copy(update={"strategy": strategy, "nproc": world, "steps": warmup + steps, "metrics": False,
                                   "resume": "never", "ckpt_every": 0, "out": None})
-    if strategy == "single" and world != 1:
-        raise UserError(f"strategy 'single' runs on one device; drop it or use --nproc 1 (got {world})")
-    if scaling == "weak":
-        from paratrain.parallel.layout import DIM_NAMES
-        from paratrain.parallel.strategies import resolve_degrees
+    from paratrain.parallel.strategies import given_degrees, resolve_degrees, runs_on_one_device
 
-        degrees = resolve_degrees(cfg.strategy, world, {n: getattr(cfg, n) for n in DIM_NAMES})
+    if runs_on_one_device(strategy) and world != 1:
+        raise UserError(f"strategy {strategy!r} runs on one device; drop it or use --nproc 1 (got {world})")
+    if scaling == "weak":
+        degrees = resolve_degrees(cfg.strategy, world, given_degrees(cfg))
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
         cfg = cfg.model_copy(update={"global_batch": per_device * dp, "micro_batch": None})
     return cfg, validate_run(cfg, world)
@@ -228,7 +228,7 @@ def summarize_cell(strategy: str, world: int, cfg, raw: dict, predicted: dict | 
             "comm_wire_bytes_per_step": comm.get("total_wire_bytes"),
             "comm_bytes_by_op": comm.get("bytes_by_op"),
             "global_batch": cfg.global_batch, "seq_len": cfg.seq_len, "mfu": mfu,
-            "dims": {k: raw["layout"][k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")},
+            "dims": {n: raw["layout"][n] for n in DEGREE_NAMES},
             "layout": raw["layout"], "predicted_layout": (predicted or {}).get("layout_fields"),
             "model_state_gib": {k: states[k] / 2**30 for k in ("params", "grads", "optimizer")},
             "phases_s": phases}

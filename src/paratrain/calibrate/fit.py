@@ -45,7 +45,10 @@ FITS = [("single", {"strategy": "single"}, "compute_scale"),
 
 
 def _single(name: str) -> bool:
-    return name.startswith("single")
+    """The reference runs on one device (its strategy does), on every rank at once."""
+    from paratrain.parallel.strategies import runs_on_one_device
+
+    return runs_on_one_device(next(o for n, o, _ in FITS if n == name)["strategy"])
 
 
 def reference_config(name: str, world: int, device: str):

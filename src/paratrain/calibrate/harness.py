@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 
 def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False) -> dict:
-    from paratrain.parallel.strategies import resolve_layout
+    from paratrain.parallel.strategies import resolve_layout, world_size_of
     from paratrain.plan.tracker import LiveTensorTracker
     from paratrain.train.trainer import Trainer
 
-    world = 1 if cfg.strategy == "single" else rt.world_size
+    world = world_size_of(cfg.strategy, rt.world_size)
     layout = resolve_layout(cfg, world)
     cuda = rt.device_type == "cuda"
     holder: dict = {}
@@ -71,6 +71,7 @@ def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False
 def measure_worker(cfg_dicts: list[dict], opts: dict | None = None) -> list[dict] | None:
     from paratrain.config import TrainConfig
     from paratrain.errors import UserError
+    from paratrain.parallel.strategies import world_size_of
     from paratrain.train.runtime import init_runtime, shutdown
 
     opts = opts or {}
@@ -81,7 +82,7 @@ def measure_worker(cfg_dicts: list[dict], opts: dict | None = None) -> list[dict
     try:
         for cfg_dict in cfg_dicts:
             cfg = TrainConfig(**{**cfg_dict, "resume": "never", "ckpt_every": 0, "metrics": False})
-            world = 1 if cfg.strategy == "single" else rt.world_size
+            world = world_size_of(cfg.strategy, rt.world_size)
             row: dict = {"strategy": cfg.strategy, "world": world}
             if rt.rank < world:
                 try:

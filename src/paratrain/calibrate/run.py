@@ -21,6 +21,7 @@ from paratrain.calibrate.microbench import (
 from paratrain.calibrate.timing import record_latencies
 from paratrain.gpu_catalog import GPUSpec
 from paratrain.plan.hardware import HardwareProfile, default_profile_path, detect
+from paratrain.plan.request import PlanRequest
 
 log = logging.getLogger("paratrain")
 
@@ -98,14 +99,13 @@ def profile_from_measurements(raw: dict, nproc: int) -> HardwareProfile:
     return profile
 
 
-def calibrate_and_save(o: dict) -> tuple[HardwareProfile, str]:
-    """`plan --calibrate`: calibrate with o["nproc"] processes, save to o["hardware"] (or the default path)."""
-    nproc = o.get("nproc") or 2
-    rounds = o.get("calibrate_rounds") or 9
+def calibrate_and_save(request: PlanRequest) -> tuple[HardwareProfile, str]:
+    """`plan --calibrate`: calibrate with request.nproc processes (on this machine's default device), save to
+    request.hardware (or the default path)."""
+    nproc, rounds = request.nproc or 2, request.calibrate_rounds or 9
     log.info("calibrating on %d process(es): microbenchmarks, then %d rounds of reference training steps under "
              "each strategy (about two minutes at 9 rounds on a 2-core machine)", nproc, rounds)
-    profile = calibrate(nproc=nproc, device=o.get("device") or "auto", timeout_s=o.get("timeout_s") or 120.0,
-                        rounds=rounds)
-    path = o.get("hardware") or str(default_profile_path())
+    profile = calibrate(nproc=nproc, rounds=rounds)
+    path = request.hardware or str(default_profile_path())
     profile.save(path)
     return profile, path

@@ -10,6 +10,7 @@ from paratrain.launchers.common import (
     JobSpec,
     check_job,
     check_launch_values,
+    degree_flags,
     scale_default_batch,
     validate_for_cluster,
 )
@@ -61,6 +62,7 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
         port=opts.port,
         image=opts.image,
         out=cfg.out,
+        degree_flags=degree_flags(cfg),
     )
     if target == "slurm":
         from paratrain.launchers.slurm import render_sbatch

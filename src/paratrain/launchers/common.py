@@ -2,7 +2,8 @@
 
 Generated jobs run `python -m torch.distributed.run ... -m paratrain.cli train --config FILE --out DIR`
 on every node, with the run's resolved config embedded in the job, so the cluster trains exactly what
-`paratrain train` would train here (see docs/launch.md).
+`paratrain train` would train here (see docs/launch.md). The degrees the run sets are also written on that
+line, as each dimension renders itself (parallel/dims.py: `--tp 2`), so the job shows its layout.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class JobSpec:
     port: int = 29500
     image: str = DEFAULT_IMAGE
     out: str | None = None
+    degree_flags: tuple[str, ...] = ()  # the degrees the config sets, as train flags (repeats the config)
 
     @property
     def world_size(self) -> int:
@@ -58,12 +60,11 @@ def scale_default_batch(cfg, world_size: int, given: bool):
     import logging
     import math
 
-    from paratrain.parallel.strategies import resolve_degrees
+    from paratrain.parallel.strategies import given_degrees, resolve_degrees
 
     if given or cfg.strategy == "auto":
         return cfg
-    degrees = resolve_degrees(cfg.strategy, world_size, {n: getattr(cfg, n) for n in
-                                                         ("pp", "dp_replicate", "dp_shard", "cp", "tp")})
+    degrees = resolve_degrees(cfg.strategy, world_size, given_degrees(cfg))
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     per_rank = math.ceil(cfg.global_batch / dp)
     step = math.lcm(cfg.micro_batch or 1, cfg.microbatches or 1)
@@ -100,8 +101,15 @@ def torchrun_args(nodes: int, gpus_per_node: int, max_restarts: int) -> list[str
     ]
 
 
-def train_args(config_path: str, out: str) -> list[str]:
-    return ["-m", "paratrain.cli", "train", "--config", config_path, "--out", out]
+def degree_flags(cfg) -> tuple[str, ...]:
+    """The degrees a run config sets, as `paratrain train` flags, each as its dimension renders it."""
+    from paratrain.parallel.dims import all_dims
+
+    return tuple(arg for d in all_dims() if getattr(cfg, d.name) is not None for arg in d.render(getattr(cfg, d.name)))
+
+
+def train_args(job: JobSpec, config_path: str, out: str) -> list[str]:
+    return ["-m", "paratrain.cli", "train", "--config", config_path, "--out", out, *job.degree_flags]
 
 
 class ShellWord(str):

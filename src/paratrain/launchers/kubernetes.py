@@ -27,7 +27,7 @@ def _script(job: JobSpec) -> str:
         "-m",
         "torch.distributed.run",
         f"--max-restarts={job.max_restarts}",
-        *train_args(ShellWord('"$CONFIG_FILE"'), out),
+        *train_args(job, ShellWord('"$CONFIG_FILE"'), out),
     ]
     return "\n".join(
         [

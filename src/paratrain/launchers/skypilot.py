@@ -26,7 +26,7 @@ def render_skypilot(job: JobSpec, accelerator: str = "H100", cloud: str | None =
         ShellWord(f'--rdzv-endpoint="$HEAD_IP:{int(job.port)}"'),
         ShellWord('--rdzv-id="$SKYPILOT_TASK_ID"'),
         ShellWord('--rdzv-conf=is_host="$IS_HOST"'),
-        *train_args(ShellWord('"$CONFIG_FILE"'), out),
+        *train_args(job, ShellWord('"$CONFIG_FILE"'), out),
     ]
     run = "\n".join(
         [

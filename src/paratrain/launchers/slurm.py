@@ -41,7 +41,7 @@ def render_sbatch(
         "--rdzv-backend=c10d",
         ShellWord('--rdzv-endpoint="$HEAD_NODE:$PORT"'),
         ShellWord('--rdzv-id="$SLURM_JOB_ID"'),
-        *train_args(ShellWord('"$RUN_DIR/launch-config.toml"'), ShellWord('"$RUN_DIR"')),
+        *train_args(job, ShellWord('"$RUN_DIR/launch-config.toml"'), ShellWord('"$RUN_DIR"')),
     ]
     lines = [
         "#!/bin/bash",

@@ -15,10 +15,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from paratrain.errors import UserError
+from paratrain.parallel.options import AC_MODES
 
 log = logging.getLogger("paratrain")
-
-AC_MODES = ("none", "selective", "full")
 
 
 def ops_to_save() -> frozenset:

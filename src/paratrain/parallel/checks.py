@@ -1,24 +1,23 @@
 """check_layout(): can this Layout run this model? One check for `train` (before any process starts) and for
-the planner's search, so that a layout the planner offers is one the trainer accepts, and vice versa."""
+the planner's search, so that a layout the planner offers is one the trainer accepts, and vice versa.
+
+Each parallel dimension names its own check in the registry (dims.py: check_tp, check_pp, check_cp here);
+check_layout runs those of every degree > 1, then the batch and data-parallel option checks."""
 
 from __future__ import annotations
 
 from paratrain.errors import UserError
-from paratrain.parallel.layout import MULTI_STAGE_SCHEDULES, Layout
+from paratrain.parallel.dims import all_dims, resolve
+from paratrain.parallel.layout import Layout
+from paratrain.parallel.options import CP_IMPLS, MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES
 from paratrain.parallel.uneven import refuse_uneven_dp, stage_layer_counts
-
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank
-CP_IMPLS = ("ring", "ulysses")
 
 
 def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_type: str = "cpu") -> None:
     """Raise UserError naming the first problem. `args` is the model's ModelArgs (duck-typed)."""
-    check_tp_divides(args, layout.tp)
-    if layout.pp > 1 and args.n_layers < layout.pp * layout.virtual_stages:
-        raise UserError(f"pp={layout.pp} x {layout.virtual_stages} stage(s) per rank = "
-                        f"{layout.pp * layout.virtual_stages} stages but the model has only {args.n_layers} layers")
-    if layout.pp_layers:
-        stage_layer_counts(":".join(map(str, layout.pp_layers)), layout.pp * layout.virtual_stages, args.n_layers)
+    for dim in all_dims():
+        if dim.check and getattr(layout, dim.name) > 1:
+            resolve(dim.check)(args, layout, seq_len)
     if layout.dp_micro_batches:
         check_uneven_dp(layout, global_batch)
     elif global_batch % layout.dp:
@@ -26,17 +25,27 @@ def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_t
     elif layout.micro_batch * layout.microbatches * layout.dp != global_batch:
         raise UserError(f"micro-batch {layout.micro_batch} x {layout.microbatches} x dp {layout.dp} does not make "
                         f"the global batch {global_batch}")
-    if layout.cp > 1:
-        check_cp(args, layout, seq_len)
-    if layout.tp > 1:
-        check_tp_with_dp(layout)
-    if layout.pp > 1:
-        check_pipeline(layout)
-        if getattr(args, "tie_embeddings", False):
-            raise UserError(f"pp={layout.pp} cannot hold {args.name}'s tied embedding: the first stage's token table "
-                            "and the last stage's head would need a gradient all-reduce between stages, which paratrain "
-                            "does not do; use another strategy or an untied model")
     check_dp_options(layout, device_type)
+
+
+def check_tp(args, layout: Layout, seq_len: int | None = None) -> None:
+    """tp > 1: the model splits that many ways, and the data-parallel wrapper takes DTensor parameters."""
+    check_tp_divides(args, layout.tp)
+    check_tp_with_dp(layout)
+
+
+def check_pp(args, layout: Layout, seq_len: int | None = None) -> None:
+    """pp > 1: enough layers for the stages, a schedule that runs this layout, no tied embedding."""
+    if args.n_layers < layout.pp * layout.virtual_stages:
+        raise UserError(f"pp={layout.pp} x {layout.virtual_stages} stage(s) per rank = "
+                        f"{layout.pp * layout.virtual_stages} stages but the model has only {args.n_layers} layers")
+    if layout.pp_layers:
+        stage_layer_counts(":".join(map(str, layout.pp_layers)), layout.pp * layout.virtual_stages, args.n_layers)
+    check_pipeline(layout)
+    if getattr(args, "tie_embeddings", False):
+        raise UserError(f"pp={layout.pp} cannot hold {args.name}'s tied embedding: the first stage's token table "
+                        "and the last stage's head would need a gradient all-reduce between stages, which paratrain "
+                        "does not do; use another strategy or an untied model")
 
 
 def check_uneven_dp(layout: Layout, global_batch: int) -> None:

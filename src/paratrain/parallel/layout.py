@@ -4,21 +4,27 @@ It holds the degrees and every option that shapes the run; every derived fact (D
 degree, a rank's coordinates, a group's size and node placement, the ideal pipeline bubble) is a property
 here and nowhere else. strategies.py turns a config into a Layout; checks.py validates one against a model.
 
-Rank layout (outermost first): pp, dp_replicate, dp_shard, cp, tp. TP is innermost so that it stays on the
-fastest links (inside a node); PP is outermost because it sends the least.
+The degree fields come from the dimension registry (dims.py), one per dimension, in mesh order: today
+pp, dp_replicate, dp_shard, cp, tp (outermost first).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
+from paratrain.parallel.dims import dims_in_mesh_order, mesh_dims
+from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE
 
 log = logging.getLogger("paratrain")
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DIM_NAMES = tuple(d.name for d in mesh_dims())  # the world-size factors, outermost first
+DEGREE_DIMS = dims_in_mesh_order()  # every degree field (also those adding no ranks)
+DEGREE_NAMES = tuple(d.name for d in DEGREE_DIMS)
+_SUBDIVIDING = tuple(d for d in DEGREE_DIMS if d.within)
 
 # flattened views: data loading uses "dp", FSDP shards over "dp_shard_cp", the loss averages over "dp_cp"
 GROUP_DIMS: dict[str, tuple[str, ...]] = {
@@ -27,24 +33,37 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 FLATTENED = {name: dims for name, dims in GROUP_DIMS.items() if len(dims) > 1}
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # any number of stages per rank
+
+
+def subdivision_problem(degrees: dict[str, int]) -> str | None:
+    """Why a dim that adds no ranks (dims.py `within`) cannot subdivide the ranks it lives in, or None."""
+    for dim in _SUBDIVIDING:
+        ranks = math.prod(degrees[d] for d in dim.within)
+        if ranks % degrees[dim.name]:
+            return f"{dim.flag} {degrees[dim.name]} must divide the {' x '.join(dim.within)} ranks ({ranks})"
+    return None
+
+
+def _with_degree_fields(cls):
+    """One `int = 1` field per registered dimension (dims.py), in mesh order, before the class's own fields."""
+    cls.__annotations__ = {**{name: "int" for name in DEGREE_NAMES}, **cls.__dict__.get("__annotations__", {})}
+    for name in DEGREE_NAMES:
+        setattr(cls, name, 1)
+    return cls
 
 
 @dataclass(frozen=True)
+@_with_degree_fields
 class Layout:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
+    # the degrees: one field per dimension, from dims.py (layout.pp, layout.tp, ...)
     zero_stage: int = 0  # 0: none / DDP, 1: ZeroRedundancyOptimizer, 2: FSDP2 no reshard, 3: FSDP2
     sp: bool = False
-    cp_impl: str = "ring"
-    pp_schedule: str = "1f1b"
+    cp_impl: str = CP_IMPLS[0]
+    pp_schedule: str = DEFAULT_PP_SCHEDULE
     virtual_stages: int = 1
     micro_batch: int = 1  # sequences per forward pass per rank
     microbatches: int = 1  # pipeline micro-batches (pp > 1) or gradient-accumulation steps (pp == 1)
-    ac: str = "none"  # none | selective | full
+    ac: str = AC_MODES[0]  # none | selective | full
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
     compile: bool = False
     ddp_comm_hook: str = "none"
@@ -58,17 +77,20 @@ class Layout:
     mesh: object = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in DIM_NAMES:
-            value = getattr(self, name)
+        for dim in DEGREE_DIMS:
+            value = getattr(self, dim.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"degree --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(f"degree {dim.flag} must be a positive integer, got {value!r}")
+        problem = _SUBDIVIDING and subdivision_problem(self.degrees())
+        if problem:
+            raise UserError(problem)
         for name in ("dp_micro_batches", "pp_layers"):  # from_dict() hands JSON lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # -- sizes ------------------------------------------------------------------------------------------
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return math.prod(getattr(self, n) for n in DIM_NAMES)
 
     world_size = world
 
@@ -89,7 +111,8 @@ class Layout:
         return self.cp > 1
 
     def degrees(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in DIM_NAMES}
+        """Every degree, outermost first (the `dims` of plan, bench and verify JSON)."""
+        return {n: getattr(self, n) for n in DEGREE_NAMES}
 
     # -- the data-parallel wrapper: the one "DDP or FSDP?" rule -----------------------------------------
     @property
@@ -176,7 +199,7 @@ class Layout:
         return "single"
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={getattr(self, n)}" for n in DIM_NAMES if getattr(self, n) > 1) or "single device"
+        return " x ".join(f"{n}={v}" for n, v in self.degrees().items() if v > 1) or "single device"
 
     def label(self) -> str:
         extra = []
@@ -192,31 +215,6 @@ class Layout:
             extra.append("pp layers " + ":".join(map(str, self.pp_layers)))
         body = self.describe() if self.world > 1 else "1 device"
         return f"{self.strategy} [{body}{'; ' + ', '.join(extra) if extra else ''}]"
-
-    def train_args(self, seq_len: int, global_batch: int) -> list[str]:
-        """`paratrain train` arguments (after the model) that run exactly this layout."""
-        args = ["--strategy", self.strategy, "--nproc", str(self.world)]
-        for n in DIM_NAMES:
-            args += [f"--{n.replace('_', '-')}", str(getattr(self, n))]
-        if self.tp > 1:
-            args.append("--sp" if self.sp else "--no-sp")
-        if self.cp > 1:
-            args += ["--cp-impl", self.cp_impl]
-        if self.pp > 1:
-            args += ["--pp-schedule", self.pp_schedule, "--virtual-stages", str(self.virtual_stages),
-                     "--microbatches", str(self.microbatches)]
-        if self.pp_layers:
-            args += ["--pp-layers", ":".join(map(str, self.pp_layers))]
-        if self.dp_micro_batches:  # the split in micro-batch units; --microbatches gives the count
-            args += ["--dp-batch-split", ":".join(map(str, self.dp_micro_batches)), "--microbatches",
-                     str(self.microbatches)]
-        else:
-            args += ["--micro-batch", str(self.micro_batch)]
-        args += ["--ac", self.ac, "--seq-len", str(seq_len),
-                 "--global-batch", str(global_batch), "--dtype", self.dtype]
-        if self.compile:
-            args.append("--compile")
-        return args
 
     def to_dict(self) -> dict:
         # tuples as lists, as they come back from JSON (from_dict turns them back into tuples)

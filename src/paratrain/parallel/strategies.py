@@ -3,14 +3,17 @@
 A strategy name is shorthand for a Layout: which degree takes the world, which data-parallel dim absorbs
 ranks the user's degrees leave over, and the options it implies (ZeRO stage, SP, CP flavour, naive pipeline).
 Adding a strategy is one row here (plus an apply_* if it needs a new technique, and a planner cost term).
+Code elsewhere that must know something of a strategy asks a function here (runs_on_one_device, ...);
+config_fields() and train_args() are the one way back from a Layout to a run config and its command line.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from paratrain.errors import UserError
-from paratrain.parallel.layout import DIM_NAMES, Layout
+from paratrain.parallel.layout import DEGREE_NAMES, DIM_NAMES, Layout
 
 
 @dataclass(frozen=True)
@@ -21,10 +24,11 @@ class Strategy:
     sp: bool | None = None  # None: the --sp option decides
     cp_impl: str | None = None  # None: the --cp-impl option decides
     naive_pipeline: bool = False  # one micro-batch through GPipe: plain model parallelism
+    one_device: bool = False  # runs on one device whatever --nproc says
 
 
 STRATEGY_TABLE: dict[str, Strategy] = {
-    "single": Strategy(None, "dp_replicate"),
+    "single": Strategy(None, "dp_replicate", one_device=True),
     "ddp": Strategy("dp_replicate", "dp_replicate"),
     "zero1": Strategy("dp_replicate", "dp_replicate", zero_stage=1),
     "zero2": Strategy("dp_shard", "dp_shard", zero_stage=2),
@@ -46,12 +50,33 @@ def strategy_named(name: str) -> Strategy:
     return STRATEGY_TABLE[name]
 
 
+def runs_on_one_device(name: str) -> bool:
+    return name in STRATEGY_TABLE and STRATEGY_TABLE[name].one_device
+
+
+def world_size_of(name: str, ranks: int) -> int:
+    """The ranks a run of this strategy uses when `ranks` are offered."""
+    return 1 if runs_on_one_device(name) else ranks
+
+
+def holds_whole_parameters(name: str) -> bool:
+    """Plain data parallelism that keeps whole parameters on every rank while it computes (single, ddp, zero1,
+    zero2): sharding them (fsdp) is the first memory fix."""
+    row = STRATEGY_TABLE.get(name)
+    return row is not None and row.pins in (None, "dp_replicate", "dp_shard") and row.zero_stage < 3
+
+
+def given_degrees(cfg) -> dict[str, int | None]:
+    """The degrees a run config sets (None: left to the strategy), one per dimension (dims.py)."""
+    return {n: getattr(cfg, n) for n in DEGREE_NAMES}
+
+
 def resolve_degrees(strategy: str, world_size: int, given: dict[str, int | None]) -> dict[str, int]:
     """Degrees for a strategy: explicit degrees win; the strategy's dim takes the rest of the world."""
     row = strategy_named(strategy)
     degrees = {n: given.get(n) for n in DIM_NAMES}
-    if strategy == "single" and world_size != 1:
-        raise UserError(f"strategy 'single' runs on one device, but {world_size} processes were requested")
+    if row.one_device and world_size != 1:
+        raise UserError(f"strategy {strategy!r} runs on one device, but {world_size} processes were requested")
     if strategy == "hsdp" and degrees["dp_replicate"] is None and degrees["dp_shard"] is None:
         if world_size < 4 or world_size % 2:
             raise UserError(f"hsdp needs --dp-replicate and --dp-shard, or an even world size >= 4 (got {world_size})")
@@ -77,7 +102,8 @@ def resolve_degrees(strategy: str, world_size: int, given: dict[str, int | None]
     if product != world_size:
         shown = " x ".join(f"{n}={v}" for n, v in out.items() if v > 1) or "all 1"
         raise UserError(f"parallel degrees multiply to {product} ({shown}) but the world size is {world_size}")
-    return out
+    subdividing = {n: given.get(n) or 1 for n in DEGREE_NAMES if n not in out}  # dims that add no ranks
+    return {n: out[n] if n in out else subdividing[n] for n in DEGREE_NAMES}
 
 
 def resolve_microbatches(naive: bool, microbatches: int | None, micro_batch: int | None, local_batch: int,
@@ -117,12 +143,24 @@ def zero_stage_for(row: Strategy, degrees: dict[str, int]) -> int:
     return 0
 
 
+def zero_stages(degrees: dict[str, int]) -> tuple[int, ...]:
+    """The ZeRO stages a layout with these degrees can run with (the planner searches each): those zero_stage_for
+    gives the strategy that names such a layout (Layout.strategy), so that its command runs it again."""
+    return _zero_stages(tuple(degrees.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_stages(degrees: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    given = dict(degrees)
+    return tuple(stage for stage in range(4)
+                 if zero_stage_for(STRATEGY_TABLE[Layout(**given, zero_stage=stage).strategy], given) == stage)
+
+
 def resolve_layout(cfg, world_size: int) -> Layout:
     """The Layout a run config runs on `world_size` ranks: what train executes and what plan, bench and
     doctor predict for. Raises UserError naming the first thing that cannot be resolved."""
     row = strategy_named(cfg.strategy)
-    given = {n: getattr(cfg, n) for n in DIM_NAMES}
-    degrees = resolve_degrees(cfg.strategy, world_size, given)
+    degrees = resolve_degrees(cfg.strategy, world_size, given_degrees(cfg))
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     uneven = uneven_fields(cfg, degrees)
     pipelined = degrees["pp"] > 1
@@ -200,18 +238,38 @@ def fixed_by_strategy(name: str) -> dict:
 
 def config_fields(layout: Layout) -> dict:
     """The run-config fields that make resolve_layout() give back `layout` (the inverse of resolve_layout),
-    for `train --strategy auto` and for plan candidates handed to train."""
-    fields = {"strategy": layout.strategy, "nproc": layout.world, **layout.degrees(), "sp": layout.sp,
-              "micro_batch": layout.micro_batch, "ac": layout.ac, "dtype": layout.dtype, "compile": layout.compile,
-              "global_batch": layout.global_batch}
-    if layout.dp_micro_batches:  # the split in micro-batch units, the count as --microbatches
-        fields.update(micro_batch=None, microbatches=layout.microbatches,
-                      dp_batch_split=":".join(map(str, layout.dp_micro_batches)))
-    if layout.pp_layers:
-        fields["pp_layers"] = ":".join(map(str, layout.pp_layers))
+    for `train --strategy auto`, for plan candidates handed to train, and (train_args) their command lines.
+    A degree's options (SP, CP flavour, schedule) appear only when that degree is > 1; the order of the
+    fields is the order of train_args' flags."""
+    fields = {"strategy": layout.strategy, "nproc": layout.world, **layout.degrees()}
+    if layout.tp > 1:
+        fields["sp"] = layout.sp
     if layout.cp > 1:
         fields["cp_impl"] = layout.cp_impl
     if layout.pp > 1:
         fields.update(pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
                       microbatches=layout.microbatches)
+    if layout.pp_layers:
+        fields["pp_layers"] = ":".join(map(str, layout.pp_layers))
+    if layout.dp_micro_batches:  # the split in micro-batch units, the count as --microbatches
+        fields["dp_batch_split"] = ":".join(map(str, layout.dp_micro_batches))
+        fields["microbatches"] = layout.microbatches
+    fields.update(micro_batch=None if layout.dp_micro_batches else layout.micro_batch, ac=layout.ac,
+                  global_batch=layout.global_batch, dtype=layout.dtype, compile=layout.compile)
     return fields
+
+
+def train_args(layout: Layout, seq_len: int, global_batch: int) -> list[str]:
+    """`paratrain train` arguments (after the model) that run exactly this layout: config_fields() as flags."""
+    fields = config_fields(layout)
+    tail = {k: fields.pop(k) for k in ("dtype", "compile")}
+    del fields["global_batch"]
+    fields.update(seq_len=seq_len, global_batch=global_batch, **tail)
+    args: list[str] = []
+    for key, value in fields.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):  # --compile only when on; --sp / --no-sp said outright beside a tp degree
+            args += [flag] if value else ([f"--no-{flag[2:]}"] if key == "sp" else [])
+        elif value is not None:
+            args += [flag, str(value)]
+    return args

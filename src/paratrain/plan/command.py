@@ -5,16 +5,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import custom_gpu, get_gpu
+from paratrain.parallel.dims import mesh_dims
+from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES
 from paratrain.plan.cluster import Cluster, reference_profile, resolve_cluster
 from paratrain.plan.hardware import HardwareProfile, load_profile, profile_from_spec, with_cluster_overrides
+from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job
 
 log = logging.getLogger("paratrain")
-AC_MODES = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def resolve_model(model: str | None, hf_config: str | None):
@@ -33,31 +36,29 @@ def resolve_model(model: str | None, hf_config: str | None):
     return get_preset(model), model
 
 
-def resolve_hardware(o: dict, dtype: str) -> HardwareProfile:
+def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
     """--hardware FILE, else --gpu NAME (catalog), else custom figures; cluster overrides on top."""
-    custom = [o.get(k) for k in ("peak_tflops", "mem_gib", "intra_node_gbs", "inter_node_gbs")]
-    if o.get("hardware"):
-        profile = load_profile(o["hardware"])
-    elif o.get("gpu"):
-        spec = get_gpu(o["gpu"])
-        if o.get("mem_gib"):
-            spec = dataclasses.replace(spec, mem_gib=float(o["mem_gib"]))
+    custom = (r.peak_tflops, r.mem_gib, r.intra_node_gbs, r.inter_node_gbs)
+    if r.hardware:
+        profile = load_profile(r.hardware)
+    elif r.gpu:
+        spec = get_gpu(r.gpu)
+        if r.mem_gib:
+            spec = dataclasses.replace(spec, mem_gib=float(r.mem_gib))
         profile = profile_from_spec(spec)
     elif any(v is not None for v in custom):
-        profile = profile_from_spec(custom_gpu(o.get("peak_tflops"), o.get("mem_gib"), o.get("intra_node_gbs"),
-                                               o.get("inter_node_gbs"), dtype))
+        profile = profile_from_spec(custom_gpu(*custom, dtype))
     else:
         raise UserError("give --gpu NAME (see --help), --hardware PROFILE.json, or custom hardware "
                         "(--peak-tflops --mem-gib --intra-node-gbs --inter-node-gbs)")
-    gpus, nodes = o["gpus"], o.get("nodes")
     per_node = None
-    if nodes:
-        if gpus % nodes:
-            raise UserError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
-        per_node = gpus // nodes
-    spec = with_cluster_overrides(profile.gpu, gpus_per_node=per_node,
-                                  intra=o.get("intra_node_gbs") if o.get("gpu") or o.get("hardware") else None,
-                                  inter=o.get("inter_node_gbs") if o.get("gpu") or o.get("hardware") else None)
+    if r.nodes:
+        if r.gpus % r.nodes:
+            raise UserError(f"--gpus {r.gpus} is not divisible by --nodes {r.nodes}")
+        per_node = r.gpus // r.nodes
+    named = r.gpu or r.hardware  # the links of a named or measured GPU may be overridden
+    spec = with_cluster_overrides(profile.gpu, gpus_per_node=per_node, intra=r.intra_node_gbs if named else None,
+                                  inter=r.inter_node_gbs if named else None)
     if spec is not profile.gpu:
         profile = dataclasses.replace(profile, gpu=spec)
         if not profile.calibrated:
@@ -67,66 +68,66 @@ def resolve_hardware(o: dict, dtype: str) -> HardwareProfile:
     return profile
 
 
-def fixed_choices(o: dict) -> dict:
-    ac, sched = o.get("ac"), o.get("pp_schedule")
-    if ac is not None and ac not in AC_MODES:
-        raise UserError(f"--ac must be one of {', '.join(AC_MODES)}, got {ac!r}")
-    if sched is not None and sched not in SCHEDULES:
-        raise UserError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {sched!r}")
-    if o.get("cp_impl") not in (None, "ring", "ulysses"):
-        raise UserError(f"--cp-impl must be ring or ulysses, got {o['cp_impl']!r}")
-    for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
-        if o.get(k) is not None and o[k] < 1:
-            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {o[k]}")
-    fixed = {k: o.get(k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "ac", "sp",
-                                     "pp_schedule", "virtual_stages", "cp_impl")}
-    strategy = o.get("strategy")
-    if strategy:
+def fixed_choices(r: PlanRequest) -> dict:
+    """The choices the request fixes (None: searched), the strategy's own on top; UserError for a bad one."""
+    if r.ac is not None and r.ac not in AC_MODES:
+        raise UserError(f"--ac must be one of {', '.join(AC_MODES)}, got {r.ac!r}")
+    if r.pp_schedule is not None and r.pp_schedule not in PP_SCHEDULES:
+        raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {r.pp_schedule!r}")
+    if r.cp_impl not in (None, *CP_IMPLS):
+        raise UserError(f"--cp-impl must be {' or '.join(CP_IMPLS)}, got {r.cp_impl!r}")
+    counts = {**r.degrees, "micro_batch": r.micro_batch, "virtual_stages": r.virtual_stages}
+    for k, v in counts.items():
+        if v is not None and v < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    fixed = {**r.degrees, "micro_batch": r.micro_batch, "ac": r.ac, "sp": r.sp, "pp_schedule": r.pp_schedule,
+             "virtual_stages": r.virtual_stages, "cp_impl": r.cp_impl}
+    if r.strategy:
         from paratrain.parallel.strategies import fixed_by_strategy
 
-        for key, value in fixed_by_strategy(strategy).items():
+        for key, value in fixed_by_strategy(r.strategy).items():
             if fixed.get(key) is None:
                 fixed[key] = value
-    product = 1
-    for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
-        product *= fixed[k] or 1
-    if o["gpus"] % product:
-        raise UserError(f"the fixed degrees multiply to {product}, which does not divide --gpus {o['gpus']}")
+    product = math.prod(fixed[d.name] or 1 for d in mesh_dims())
+    if r.gpus % product:
+        raise UserError(f"the fixed degrees multiply to {product}, which does not divide --gpus {r.gpus}")
     return fixed
 
 
-def build_job(o: dict) -> tuple[Job, HardwareProfile, dict]:
-    return build_plan_inputs(o)[:3]
+def build_job(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, dict]:
+    return build_plan_inputs(r)[:3]
 
 
-def build_plan_inputs(o: dict) -> tuple[Job, HardwareProfile, dict, Cluster | None]:
+def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, dict, Cluster | None]:
     """Job, the search's hardware profile, fixed choices, and the cluster when it mixes devices (--cluster FILE
-    or --gpu as a list: then the search runs on the slowest device type with the smallest memory, cluster.py)."""
-    args, name = resolve_model(o.get("model"), o.get("hf_config"))
-    dtype = o.get("dtype") or "bf16"
-    if dtype not in ("bf16", "fp16", "fp32", "fp8"):
-        raise UserError(f"--dtype must be bf16, fp16, fp32 or fp8, got {dtype!r}")
-    cluster = resolve_cluster(o, load_profile(o["hardware"]) if o.get("hardware") else None)
+    or --gpu as a list: then the search runs on the slowest device type with the smallest memory, cluster.py).
+    A script may hand the request's fields as a dict."""
+    if not isinstance(r, PlanRequest):
+        r = PlanRequest.of(r)
+    args, name = resolve_model(r.model, r.hf_config)
+    dtype = r.dtype or "bf16"
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
+    cluster = resolve_cluster({"cluster": r.cluster, "gpu": r.gpu, "gpus": r.gpus},
+                              load_profile(r.hardware) if r.hardware else None)
     if cluster is not None:
-        if o.get("nodes") or any(o.get(k) is not None for k in ("peak_tflops", "mem_gib", "intra_node_gbs",
-                                                                "inter_node_gbs")):
+        if r.nodes or any(v is not None for v in (r.peak_tflops, r.mem_gib, r.intra_node_gbs, r.inter_node_gbs)):
             raise UserError("a cluster list or file describes the nodes and links itself: drop --nodes, "
                             "--mem-gib, --peak-tflops and the --*-node-gbs options")
-        o = {**o, "gpus": len(cluster.devices)}
-    if o.get("gpus") is None or o["gpus"] < 1:
+        r = r.replace(gpus=len(cluster.devices))
+    if r.gpus is None or r.gpus < 1:
         raise UserError("--gpus N (>= 1) is required")
-    hw = reference_profile(cluster, dtype) if cluster is not None else resolve_hardware(o, dtype)
-    seq = o.get("seq_len") or args.max_seq_len
+    hw = reference_profile(cluster, dtype) if cluster is not None else resolve_hardware(r, dtype)
+    seq = r.seq_len or args.max_seq_len
     if seq > args.max_seq_len:
         if args.family == "gpt2":
             raise UserError(f"--seq-len {seq} exceeds the model's {args.max_seq_len} learned positions")
         args = dataclasses.replace(args, max_seq_len=seq)
-    batch = o.get("global_batch") or max(16, o["gpus"])
+    batch = r.global_batch or max(16, r.gpus)
     device = "cpu" if hw.gpu.name == "cpu" else "cuda"
-    job = Job(args=args, model_name=name, gpus=o["gpus"], seq_len=seq, global_batch=batch, dtype=dtype,
-              hf_config=o.get("hf_config"), compile=bool(o.get("compile")),
-              device_type=device)
-    return job, hw, fixed_choices(o), cluster
+    job = Job(args=args, model_name=name, gpus=r.gpus, seq_len=seq, global_batch=batch, dtype=dtype,
+              hf_config=r.hf_config, compile=bool(r.compile), device_type=device)
+    return job, hw, fixed_choices(r), cluster
 
 
 def format_devices(cand: dict) -> list[str]:

@@ -7,6 +7,7 @@ import math
 
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.strategies import train_args
 from paratrain.plan.gc_pause import gc_paused
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import GIB
@@ -101,7 +102,7 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
         "feasible": cand.feasible, "reasons": explain(job, hw, cand) + cand.reasons,
         "notes": cand.memory.notes if cand.memory else [],
         "command": "paratrain train " + " ".join([*job.model_flags(),
-                                                  *lay.train_args(job.seq_len, job.global_batch)]),
+                                                  *train_args(lay, job.seq_len, job.global_batch)]),
         "dp_batch_split": None, "pp_layers": None,
     }
     if mixed is not None:
@@ -118,7 +119,7 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
                    bottleneck=mixed.bottleneck(), split_reasons=mixed.reasons,
                    reasons=doc["reasons"] + mixed.reasons, micro_batch=run.micro_batch, microbatches=run.microbatches,
                    command="paratrain train " + " ".join([*job.model_flags(),
-                                                          *run.train_args(job.seq_len, job.global_batch)]))
+                                                          *train_args(run, job.seq_len, job.global_batch)]))
     return doc
 
 

@@ -15,12 +15,19 @@ from dataclasses import dataclass, field, replace
 
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
-from paratrain.parallel.layout import Layout
+from paratrain.parallel.layout import DEGREE_NAMES, DIM_NAMES, Layout, subdivision_problem
+from paratrain.parallel.options import (
+    AC_MODES,
+    CP_IMPLS,
+    DEFAULT_PP_SCHEDULE,
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+)
+from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.time import TimeEstimate, estimate_time
 
-AC_ORDER = ("none", "selective", "full")
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 
 
@@ -72,14 +79,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _factorizations(n: int) -> list[tuple[int, int, int, int, int]]:
-    out = []
-    for pp in divisors(n):
-        for dpr in divisors(n // pp):
-            for dps in divisors(n // pp // dpr):
-                for cp in divisors(n // pp // dpr // dps):
-                    out.append((pp, dpr, dps, cp, n // pp // dpr // dps // cp))
-    return out
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every way to write n as a product of k ordered factors (the last one takes what the others leave)."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, k - 1)]
+
+
+def stages_per_rank(schedule: str) -> int:
+    """The pipeline stages per rank the planner tries for a schedule (when --virtual-stages is not fixed)."""
+    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,35 +135,37 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
 def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
     """Every (degrees, ZeRO stage, SP, CP flavour, schedule) the job allows; micro-batching and AC come later."""
     out = []
-    for pp, dpr, dps, cp, tp in _factorizations(job.gpus):
-        degrees = {"pp": pp, "dp_replicate": dpr, "dp_shard": dps, "cp": cp, "tp": tp}
+    # the default schedule first: the planner's order decides between equally fast layouts
+    searched_schedules = sorted(PP_SCHEDULES, key=lambda s: s != DEFAULT_PP_SCHEDULE)
+    for factors in factorizations(job.gpus, len(DIM_NAMES)):
+        degrees = dict(zip(DIM_NAMES, factors))
         if any(fixed.get(k) is not None and fixed[k] != v for k, v in degrees.items()):
             continue
+        # the dims that add no ranks are not searched: as fixed, else 1
+        degrees = {n: degrees[n] if n in degrees else fixed.get(n) or 1 for n in DEGREE_NAMES}
+        if subdivision_problem(degrees):
+            continue
+        pp, cp, tp = degrees["pp"], degrees["cp"], degrees["tp"]
         if cp > 1 and fixed.get("cp") is None and job.seq_len < CP_MIN_SEQ:
             continue
-        if dps > 1:
-            stages = (3,) if dpr > 1 else (2, 3)
-        elif dpr > 1:
-            stages = (0, 1)
-        else:
-            stages = (0,)
+        stages = zero_stages(degrees)
         if fixed.get("zero_stage") is not None:
             stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
         # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
         # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP
         sps = ((fixed["sp"],) if fixed.get("sp") is not None else (True,)) if tp > 1 else (False,)
-        impls = ("ring", "ulysses") if cp > 1 else ("ring",)
-        schedules = [("1f1b", 1)]
+        impls = CP_IMPLS if cp > 1 else CP_IMPLS[:1]
+        schedules = [(DEFAULT_PP_SCHEDULE, 1)]
         if pp > 1:
-            schedules = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)]
+            schedules = [(sched, stages_per_rank(sched)) for sched in searched_schedules]
         for stage, sp, impl, (sched, v) in itertools.product(stages, sps, impls, schedules):
             if fixed.get("cp_impl") and cp > 1 and impl != fixed["cp_impl"]:
                 continue
             if fixed.get("pp_schedule") and pp > 1:
                 sched = fixed["pp_schedule"]
-                v = fixed.get("virtual_stages") or (2 if sched in ("interleaved-1f1b", "zero-bubble") else 1)
-            out.append(Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, zero_stage=stage, sp=sp,
-                              cp_impl=impl, pp_schedule=sched, virtual_stages=v, **job.layout_options()))
+                v = fixed.get("virtual_stages") or stages_per_rank(sched)
+            out.append(Layout(**degrees, zero_stage=stage, sp=sp, cp_impl=impl, pp_schedule=sched,
+                              virtual_stages=v, **job.layout_options()))
     return list(dict.fromkeys(out))
 
 
@@ -212,7 +223,7 @@ def with_micro_batch(base: Layout, job: Job, ac: str, mb: int) -> Layout:
 
 def screen(job: Job, hw: HardwareProfile, base: Layout, fixed: dict) -> Candidate | None:
     """The layout at its smallest memory: the smallest valid micro-batch, full AC (or the fixed AC)."""
-    ac = fixed.get("ac") or "full"
+    ac = fixed.get("ac") or AC_MODES[-1]
     for mb in micro_batch_options(job, base, fixed):
         lay = with_micro_batch(base, job, ac, mb)
         if structural_problem(job, lay, hw.gpu.gpus_per_node) is None:
@@ -252,7 +263,7 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
     """From the screening setting to the fastest that fits: less recomputation first, then bigger micro-batches."""
     best = screened
     if not fixed.get("ac"):
-        for ac in AC_ORDER[:AC_ORDER.index(screened.layout.ac)]:
+        for ac in AC_MODES[:AC_MODES.index(screened.layout.ac)]:
             lay = with_micro_batch(screened.layout, job, ac, screened.layout.micro_batch)
             trial = evaluate(job, hw, lay)
             if trial.feasible:
@@ -294,7 +305,7 @@ def search(job: Job, hw: HardwareProfile, fixed: dict,
                                      notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"])
                 states = model_states(job, base)
                 mem.params, mem.grads, mem.optimizer = states["params"], states["grads"], states["optimizer"]
-                lay = with_micro_batch(base, job, fixed.get("ac") or "full", fixed.get("micro_batch") or 1)
+                lay = with_micro_batch(base, job, fixed.get("ac") or AC_MODES[-1], fixed.get("micro_batch") or 1)
                 infeasible.append(Candidate(lay, memory=mem, feasible=False))
                 continue
             cand = screen(job, hw, base, fixed)
@@ -334,8 +345,8 @@ def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 
             dp = n // (tp * p * cp)
             if job.global_batch % dp:
                 continue
-            lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac="full", micro_batch=1,
-                         microbatches=job.global_batch // dp, pp_schedule="1f1b", sp=tp > 1, **job.layout_options())
+            lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac=AC_MODES[-1], micro_batch=1,
+                         microbatches=job.global_batch // dp, pp_schedule=DEFAULT_PP_SCHEDULE, sp=tp > 1, **job.layout_options())
             if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
                 continue
             cand = evaluate(trial, hw, lay)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from paratrain.errors import UserError
+from paratrain.parallel.strategies import holds_whole_parameters
 
 log = logging.getLogger("paratrain")
 
@@ -81,7 +82,7 @@ def quick_fixes(cfg, world_size: int, micro_batch: int) -> list[str]:
         fixes.append("--ac full")
     if micro_batch > 1:
         fixes.append(f"--micro-batch {max(1, micro_batch // 2)}")
-    if world_size > 1 and cfg.strategy in ("single", "ddp", "zero1", "zero2"):
+    if world_size > 1 and holds_whole_parameters(cfg.strategy):
         fixes.append("--strategy fsdp")
     return fixes
 

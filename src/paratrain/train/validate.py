@@ -11,7 +11,7 @@ from paratrain.models.hf_model import check_hf_run
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.strategies import resolve_layout
+from paratrain.parallel.strategies import resolve_layout, world_size_of
 from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data import make_dataset
 from paratrain.train.memory_snapshot import check_memory_snapshot
@@ -22,7 +22,7 @@ from paratrain.train.runtime import pick_device_type
 def world_size_for(cfg: TrainConfig) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    return 1 if cfg.strategy == "single" else cfg.nproc
+    return world_size_of(cfg.strategy, cfg.nproc)
 
 
 def validate_run(cfg: TrainConfig, world_size: int) -> Layout:

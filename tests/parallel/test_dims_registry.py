@@ -1,0 +1,120 @@
+"""A parallel dimension is declared once (parallel/dims.py): a throw-away one, registered through the registry
+alone, shows up in every command's options, the run config, the Layout and its world size, the planner's
+search, and a launched job. The registry and the option vocabularies import without torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from paratrain.parallel.dims import all_dims, dims_in_mesh_order, mesh_dims, resolve
+
+# registers "xx" (a factor of the world size) and "yy" (inside the data-parallel ranks, as expert parallelism
+# will be) before anything built from the registry is imported, then reports what each part made of them
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, sys
+
+    from paratrain.parallel.dims import Dim, register_dim
+
+    register_dim(Dim("xx", "a throw-away dimension", mesh_order=35))
+    register_dim(Dim("yy", "experts split", mesh_order=25, within=("dp_replicate", "dp_shard")))
+    assert "torch" not in sys.modules
+
+    from paratrain import cli
+    from paratrain.errors import UserError
+    from paratrain.parallel.layout import DIM_NAMES, Layout
+    from paratrain.parallel.strategies import resolve_degrees
+    from paratrain.plan.search import Job, base_layouts
+    from paratrain.models.presets import get_preset
+
+    def run(*argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(list(argv))
+            except SystemExit as exc:
+                code = exc.code
+        return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+    def refusal(make):
+        try:
+            make()
+        except UserError as exc:
+            return str(exc)
+        return None
+
+    doc = {"mesh": list(DIM_NAMES), "world": Layout(dp_shard=2, xx=2).world,
+           "degrees": Layout(dp_shard=2, xx=2).degrees(),
+           "train_help": run("train", "--help"), "plan_help": run("plan", "--help"),
+           "print_config": run("train", "--xx", "2", "--print-config"),
+           "slurm": run("launch", "slurm", "--strategy", "ddp", "--nodes", "1", "--gpus-per-node", "4", "--xx", "2"),
+           "refused": refusal(lambda: resolve_degrees("ddp", 4, {"dp_replicate": 4, "xx": 2})),
+           "yy_world": Layout(dp_shard=4, yy=2).world,
+           "yy_resolved": resolve_degrees("zero3", 4, {"yy": 2}),
+           "yy_refused": refusal(lambda: Layout(dp_shard=2, tp=2, yy=4))}
+    job = Job(args=get_preset("tiny"), model_name="tiny", gpus=8, seq_len=64, global_batch=16)
+    doc["searched"] = sorted({(lay.xx, lay.world) for lay in base_layouts(job, {"xx": 2}, 8)})
+    print(json.dumps(doc))
+""")
+
+
+@pytest.fixture(scope="module")
+def registered() -> dict:
+    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_a_registered_dimension_reaches_the_cli_and_the_config(registered):
+    for command, helptext in (("train", "a throw-away dimension"), ("plan", "fix: a throw-away dimension")):
+        shown = registered[f"{command}_help"]
+        assert shown["code"] == 0 and "--xx" in shown["out"] and helptext in shown["out"], shown
+    assert "xx = 2" in registered["print_config"]["out"]
+
+
+def test_a_registered_dimension_multiplies_the_world_and_is_searched(registered):
+    assert registered["mesh"] == ["pp", "dp_replicate", "dp_shard", "cp", "xx", "tp"]  # placed by its mesh_order
+    assert registered["world"] == 4 and registered["degrees"]["xx"] == 2
+    refused = registered["refused"]
+    assert "parallel degrees multiply to 8" in refused and "xx=2" in refused and "world size is 4" in refused
+    assert registered["searched"] == [[2, 8]]  # every searched layout carries the fixed xx and still fills 8 GPUs
+
+
+def test_a_launched_job_writes_a_registered_degree_on_its_train_line(registered):
+    slurm = registered["slurm"]
+    assert slurm["code"] == 0, slurm["err"]
+    train_line = next(line for line in slurm["out"].splitlines() if line.startswith("srun "))
+    assert train_line.endswith("--xx 2") and "xx = 2" in slurm["out"]
+
+
+def test_a_dimension_inside_the_data_parallel_ranks_adds_none_and_must_divide_them(registered):
+    """Expert parallelism's shape (DESIGN.md `--ep`): a degree that subdivides other dims' ranks."""
+    assert "yy" not in registered["mesh"] and registered["yy_world"] == 4
+    assert registered["yy_resolved"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "yy": 2, "cp": 1,
+                                           "xx": 1, "tp": 1}
+    assert "--yy 4 must divide the dp_replicate x dp_shard ranks (2)" in registered["yy_refused"]
+
+
+def test_the_five_dimensions_in_mesh_order_and_their_references_resolve():
+    assert [d.name for d in mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    assert [d.name for d in all_dims()] == ["dp_replicate", "dp_shard", "tp", "pp", "cp"]  # as options list them
+    assert all(d.world_factor for d in dims_in_mesh_order())
+    for dim in all_dims():
+        for ref in (dim.check, dim.apply, dim.cost):
+            if ref:
+                assert callable(resolve(ref)), ref
+        assert dim.render(4) == [dim.flag, "4"] and dim.flag == "--" + dim.name.replace("_", "-")
+
+
+def test_registering_after_the_registry_was_read_is_refused():
+    from paratrain.parallel.dims import Dim, register_dim
+
+    all_dims()
+    with pytest.raises(RuntimeError, match="before"):
+        register_dim(Dim("zz", "too late", mesh_order=50))
