@@ -57,7 +57,7 @@ def measure(model_name: str, seq_len: int, impl: str | None, group=None, rank: i
     import functools
 
     from paratrain.models.presets import build_model, get_preset
-    from paratrain.parallel.context_parallel import CP_IMPLS
+    from paratrain.parallel.context_parallel import CP_ATTENTION
     from paratrain.parallel.ring_attention import zigzag_positions
     from paratrain.train.step import lm_loss
 
@@ -68,7 +68,7 @@ def measure(model_name: str, seq_len: int, impl: str | None, group=None, rank: i
     tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets, extra = tokens[:, :-1], tokens[:, 1:], {}
     if impl is not None:
-        attn_fn = functools.partial(CP_IMPLS[impl], group=group)
+        attn_fn = functools.partial(CP_ATTENTION[impl], group=group)
         for block in model.layers.values():
             block.attention.attn_fn = attn_fn
         positions = zigzag_positions(seq_len, cp, rank)

@@ -17,12 +17,14 @@ import logging
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.parallel.options import CP_IMPLS
 from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
 from paratrain.parallel.ulysses import ulysses_attention
 
 log = logging.getLogger("paratrain")
 
-CP_IMPLS = {"ring": ring_attention, "ulysses": ulysses_attention}
+# the attention function of each implementation name in parallel/options.py
+CP_ATTENTION = dict(zip(CP_IMPLS, (ring_attention, ulysses_attention), strict=True))
 
 
 def sequence_sharder(layout):
@@ -39,11 +41,11 @@ def sequence_sharder(layout):
     return prepare
 
 
-def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring") -> nn.Module:
+def apply_cp(model: nn.Module, cp_mesh, impl: str = CP_IMPLS[0]) -> nn.Module:
     """Swap every block's attention hook for `impl` attention over the cp group (in place)."""
-    if impl not in CP_IMPLS:
+    if impl not in CP_ATTENTION:  # parallelize()'s own callers skip check_layout
         raise UserError(f"unknown --cp-impl {impl!r}; choose one of {', '.join(CP_IMPLS)}")
-    attn_fn = functools.partial(CP_IMPLS[impl], group=cp_mesh.get_group())
+    attn_fn = functools.partial(CP_ATTENTION[impl], group=cp_mesh.get_group())
     if hasattr(model, "use_attention"):  # a transformers model: through its own attention-function registry
         from paratrain.parallel.hf_attention import register_attention
 

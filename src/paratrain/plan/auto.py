@@ -40,6 +40,7 @@ def plan_for_auto(cfg):
     import dataclasses
 
     from paratrain.models.presets import model_args_for
+    from paratrain.parallel.strategies import given_degrees
     from paratrain.plan.gc_pause import gc_paused
     from paratrain.plan.search import Job, search
     from paratrain.train.validate import world_size_for
@@ -54,8 +55,7 @@ def plan_for_auto(cfg):
               dtype=cfg.dtype, device_type=device_type)
     if cfg.dtype not in profile.gpu.peak_tflops:
         raise UserError(f"--strategy auto: the hardware profile has no {cfg.dtype} figures")
-    fixed = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
-             "micro_batch": cfg.micro_batch, "ac": cfg.ac if cfg.ac != "none" else None}
+    fixed = {**given_degrees(cfg), "micro_batch": cfg.micro_batch, "ac": cfg.ac if cfg.ac != "none" else None}
     with gc_paused():
         feasible, infeasible, _ = search(job, profile, fixed)
     if not feasible:

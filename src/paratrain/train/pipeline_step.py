@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
 
 from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.options import PP_SCHEDULES
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.train.data import Batch
@@ -29,8 +30,9 @@ from paratrain.train.step_runner import run_after_optimizer_step
 
 log = logging.getLogger("paratrain")
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "zero-bubble": ScheduleInterleavedZeroBubble}
+# torch's class for each schedule name of parallel/options.py (the names are declared there, once)
+SCHEDULES = dict(zip(PP_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                    ScheduleInterleavedZeroBubble), strict=True))
 
 
 class BusyClock:
