@@ -11,10 +11,13 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from paratrain.doctor.nvml import LIMITING_REASONS
 from paratrain.doctor.shapes import misaligned_shapes, misaligned_share
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
-CAUSES = ("small_compute", "data_loading", "shapes", "memory", "communication", "allocation", "monitoring")
+# every `cause` a finding may name (the doctor --json contract); the rules here raise the first seven
+CAUSES = ("small_compute", "data_loading", "shapes", "memory", "communication", "allocation", "monitoring",
+          "straggler", "expert_imbalance", "hang")
 
 
 @dataclass
@@ -25,6 +28,10 @@ class Finding:
     evidence: str
     fix: str
     numbers: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.cause not in CAUSES or self.severity not in SEVERITY_ORDER:
+            raise ValueError(f"finding {self.cause!r}/{self.severity!r} is outside the doctor's contract")
 
     def to_dict(self) -> dict:
         return {"cause": self.cause, "severity": self.severity, "evidence": self.evidence, "fix": self.fix,
@@ -329,8 +336,7 @@ def _gpu_allocation(ctx: Context) -> list[Finding]:
     out = []
     nvml = (ctx.captures[0].get("nvml") or {}) if ctx.captures else {}
     limiting = {k: v for k, v in (nvml.get("throttle_reasons") or {}).items()
-                if k in ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
-                         "hw_power_brake_slowdown")}
+                if k in LIMITING_REASONS}
     if limiting and max(limiting.values()) >= 0.2:
         reasons = ", ".join(f"{k} {v:.0%} of samples" for k, v in limiting.items())
         out.append(Finding("allocation", "medium", 0.1, f"the GPU throttled its clocks: {reasons}",

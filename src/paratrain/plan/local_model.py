@@ -21,8 +21,6 @@ from torch import nn
 from paratrain.models.llama import ModelArgs
 from paratrain.parallel.cp_comm import CPComm
 
-STAGE_PARTS = ("whole", "first", "middle", "last")
-
 
 @dataclass
 class CommLog:
