@@ -64,7 +64,7 @@ def case_job(case: dict, micro_batch: int | None = None):
     from paratrain.gpu_catalog import get_gpu
     from paratrain.models.llama import ModelArgs
     from paratrain.parallel.layout import Layout
-    from paratrain.plan.hardware import profile_from_spec, with_cluster_overrides
+    from paratrain.plan.inputs.hardware import profile_from_spec, with_cluster_overrides
     from paratrain.plan.search import Job
 
     m = case["model"]
@@ -118,7 +118,7 @@ def evaluate_case(case: dict):
 
 
 def predict(case: dict) -> dict:
-    from paratrain.plan.memory import GIB
+    from paratrain.plan.costing.memory import GIB
 
     t0 = time.perf_counter()
     cand, by_micro_batch = evaluate_case(case)

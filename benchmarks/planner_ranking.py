@@ -9,9 +9,9 @@ For each configuration of the grid (model, sequence length, global batch; 2 gloo
    else a fresh `--calibrate --calibrate-rounds 1` into runs/ (said so in the output);
 2. every candidate is measured (2 interleaved rounds of 2 warm-up + --steps steps, one process group for all
    of a configuration's candidates; the step time is the median over steps of the slowest rank's): the truth;
-3. the probe (bench/probe.py, as `train --strategy auto --probe K` runs it: the top K, 2 interleaved rounds of
+3. the probe (bench/probe_layouts.py, as `train --strategy auto --probe K` runs it: the top K, 2 interleaved rounds of
    2 warm-up + 2 steps, a separate measurement from the truth's) picks its measured best; the ranking with the probe orders probed
-   layouts by what the probe measured and the others by the refitted model (plan/probe.py).
+   layouts by what the probe measured and the others by the refitted model (plan/probe_refit.py).
 Per configuration: the planner's pick, the measured best, whether the pick is within 10% of it, tau; then the
 fraction within 10% and the mean tau, both ways. Timings are this machine's at the time: the load average is
 printed before and after.
@@ -39,7 +39,7 @@ WORLD = 2
 
 
 def load_or_calibrate(path: str | None) -> tuple[object, str]:
-    from paratrain.plan.hardware import default_profile_path, load_profile
+    from paratrain.plan.inputs.hardware import default_profile_path, load_profile
 
     if path:
         return load_profile(path), f"profile {path}"
@@ -75,18 +75,18 @@ def candidates(model: str, seq: int, batch: int, profile, limit: int) -> tuple[o
 
 
 def measure(base, pool: list, steps: int) -> list[float | None]:
-    """The truth: every candidate in 2 interleaved rounds of 2 warm-up + `steps` steps (bench/probe.py's
+    """The truth: every candidate in 2 interleaved rounds of 2 warm-up + `steps` steps (bench/probe_layouts.py's
     measure, a separate run from the probe's), the median of the slowest rank's step times."""
-    from paratrain.bench.probe import measure as measure_layouts
+    from paratrain.bench.probe_layouts import measure as measure_layouts
 
     return [statistics.median(times) if times else None for times, _ in measure_layouts(base, pool, 2, steps, 2)]
 
 
 def with_probe(base, pool: list, k: int) -> tuple[int, list[float]]:
     """(the probe's pick, the order after the probe: measured where probed, refitted elsewhere)."""
-    from paratrain.bench.probe import PROBE_STEPS, PROBE_WARMUP
-    from paratrain.bench.probe import measure as probe_measure
-    from paratrain.plan.probe import Probe, choose
+    from paratrain.bench.probe_layouts import PROBE_STEPS, PROBE_WARMUP
+    from paratrain.bench.probe_layouts import measure as probe_measure
+    from paratrain.plan.probe_refit import Probe, choose
 
     picks = pool[:k]
     probes = [Probe(i, c, c.time.step_s, times, err)

@@ -1,6 +1,6 @@
 """verify's measured margins: for each layout, the largest error over all steps and ranks against its tolerance.
 
-One process group per world size (gloo, CPU) runs `paratrain verify` (bench/verify.py verify_in_group) on every
+One process group per world size (gloo, CPU) runs `paratrain verify` (verify/parity.py verify_in_group) on every
 layout; the table gives each check's largest error and margin (tolerance / error). docs/verify.md quotes it.
 
     python benchmarks/verify_margins.py            # 2 and 4 ranks, 5 steps (a few minutes on 2 cores)
@@ -33,10 +33,10 @@ METRICS = ("max_loss_rel_diff", "max_grad_norm_rel_diff", "max_grad_rel_diff", "
 
 
 def margins_worker(world: int, steps: int) -> dict | None:
-    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.worker import setup_logging
+    from paratrain.verify.parity import verify_in_group
 
     setup_logging(int(os.environ.get("RANK", "0")))
     rt = init_runtime("cpu", 120.0)

@@ -2,7 +2,7 @@
 by the data-, tensor- and context-parallel tests and the tied GPT-2 ones: a launch costs seconds of interpreter
 and torch start-up per rank, the checks inside it far less. The fixtures are in tests/conftest.py.
 
-Parity reference: bench/verify.py's single-device run of the same seed and batches at fp32 tolerances (loss
+Parity reference: verify/parity.py's single-device run of the same seed and batches at fp32 tolerances (loss
 1e-5 relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). The `paratrain verify` command itself (its
 launcher and JSON) is covered by the CLI tests that still start it: test_data_parallel's model-state bytes,
 test_pipeline's bubble, test_context_parallel's 8-rank mesh and tests/bench/test_verify.py.

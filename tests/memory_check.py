@@ -7,7 +7,7 @@ def predicted_vs_measured(measured: list, tolerance: float, label=lambda cfg: cf
     """(a row per run, the rows outside `tolerance`) for [(TrainConfig, measure() result), ...]."""
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.layout import Layout
-    from paratrain.plan.memory import estimate_memory
+    from paratrain.plan.costing.memory import estimate_memory
 
     rows, misses = [], []
     for cfg, result in measured:

@@ -1,5 +1,5 @@
 """Imports go one way: no import circle between files of src/, and packages only import those below them
-(cli -> bench/doctor/launchers -> calibrate -> plan -> train -> parallel -> models), as docs/architecture.md
+(cli -> bench/doctor/launchers/verify/convert -> calibrate -> plan -> train -> parallel -> models), as docs/architecture.md
 says; and no module reaches a leading-underscore name of another paratrain module. Walks the source with ast
 (nothing is imported)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
 LAYERS = [{"errors", "gpu_catalog"}, {"models"}, {"interop"}, {"parallel"}, {"config"}, {"train"}, {"plan"}, {"calibrate"},
-          {"bench", "doctor", "launchers"}, {"cli", "env_report", "api", "__init__"}]
+          {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "env_report", "api", "__init__"}]
 
 
 def module_files() -> dict[str, Path]:
@@ -77,7 +77,7 @@ def test_packages_import_only_downwards():
 def test_the_checker_sees_a_circle_and_an_upward_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert layer_of("paratrain.models.llama") < layer_of("paratrain.parallel.layout") < layer_of("paratrain.plan.time")
+    assert layer_of("paratrain.models.llama") < layer_of("paratrain.parallel.layout") < layer_of("paratrain.plan.costing.time")
 
 
 def is_private(name: str) -> bool:
@@ -133,15 +133,15 @@ def test_no_module_reaches_into_another_ones_privates_or_patches_it():
 
 
 PLANTED = """
-import paratrain.plan.trace
+import paratrain.plan.tracing.trace
 import paratrain.parallel.ring_attention as ring
-from paratrain.plan import memory
-from paratrain.plan.trace import _quiet, quiet_logs
-from paratrain.plan.local_model import _nbytes as nbytes
+from paratrain.plan.costing import memory
+from paratrain.plan.tracing.trace import _quiet, quiet_logs
+from paratrain.plan.tracing.local_model import _nbytes as nbytes
 
 
 def f(x):
-    paratrain.plan.trace._recorder
+    paratrain.plan.tracing.trace._recorder
     ring._row_tiles = None
     memory._from_chunks([], [], 1, False)
     getattr(ring, "_KV_TAG", 0)
@@ -154,12 +154,12 @@ def f(x):
 
 def test_the_checker_sees_private_names_and_patches():
     modules = set(module_files())
-    assert set(foreign_uses(PLANTED, "paratrain.plan.units", modules)) == {
-        "5: from paratrain.plan.trace import _quiet", "6: from paratrain.plan.local_model import _nbytes",
-        "10: paratrain.plan.trace._recorder", "11: assigns paratrain.parallel.ring_attention._row_tiles",
-        "12: paratrain.plan.memory._from_chunks", "13: paratrain.parallel.ring_attention._KV_TAG",
-        "14: assigns paratrain.plan.memory.GIB",
+    assert set(foreign_uses(PLANTED, "paratrain.plan.tracing.units", modules)) == {
+        "5: from paratrain.plan.tracing.trace import _quiet", "6: from paratrain.plan.tracing.local_model import _nbytes",
+        "10: paratrain.plan.tracing.trace._recorder", "11: assigns paratrain.parallel.ring_attention._row_tiles",
+        "12: paratrain.plan.costing.memory._from_chunks", "13: paratrain.parallel.ring_attention._KV_TAG",
+        "14: assigns paratrain.plan.costing.memory.GIB",
         "15: assigns paratrain.parallel.ring_attention.ring_attention"}
     # a module's own private names and globals are its own business
-    own = "from paratrain.plan.trace import _quiet\nimport paratrain.plan.trace as t\nt._quiet\nt.X = 1"
-    assert foreign_uses(own, "paratrain.plan.trace", modules) == []
+    own = "from paratrain.plan.tracing.trace import _quiet\nimport paratrain.plan.tracing.trace as t\nt._quiet\nt.X = 1"
+    assert foreign_uses(own, "paratrain.plan.tracing.trace", modules) == []

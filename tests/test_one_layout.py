@@ -17,9 +17,9 @@ from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import STRATEGY_TABLE, resolve_layout
-from paratrain.plan.command import fixed_choices
-from paratrain.plan.hardware import profile_from_spec
-from paratrain.plan.report import candidate_doc
+from paratrain.plan.inputs.hardware import profile_from_spec
+from paratrain.plan.plan_cli import fixed_choices
+from paratrain.plan.plan_report import candidate_doc
 from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job, search
 

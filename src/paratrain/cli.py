@@ -158,7 +158,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 
     probed = None
     if cfg.strategy == "auto" and cfg.probe:
-        from paratrain.bench.probe import resolve_by_probe
+        from paratrain.bench.probe_layouts import resolve_by_probe
 
         cfg, probed = resolve_by_probe(cfg)
     elif cfg.strategy == "auto":
@@ -227,9 +227,9 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
     gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
     setup_cli_logging()
     cfg = resolve_config(train_opts, steps=steps)
-    from paratrain.bench.verify import check_verifiable, describe_divergence, verify_worker
     from paratrain.train.launch import run_workers
     from paratrain.train.validate import validate_run, world_size_for
+    from paratrain.verify.parity import check_verifiable, describe_divergence, verify_worker
 
     world = world_size_for(cfg)
     check_verifiable(cfg, validate_run(cfg, world))
@@ -261,7 +261,7 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
            as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
     """Write a checkpoint as a Hugging Face directory (config.json + safetensors) that transformers loads."""
     setup_cli_logging()
-    from paratrain.train.export import DTYPES, export_checkpoint, parse_size
+    from paratrain.convert.hf_export import DTYPES, export_checkpoint, parse_size
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -284,7 +284,7 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files; each 
                  as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
     """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
     setup_cli_logging()
-    from paratrain.train.prepare import prepare_tokens, sidecar_path
+    from paratrain.interop.prepare_tokens import prepare_tokens, sidecar_path
 
     meta = prepare_tokens(tokenizer, files, out, eot)
     log.info("wrote %s: %s tokens (%s), %d document(s), vocab %d; sidecar %s", out, f"{meta['tokens']:,}",
@@ -327,14 +327,14 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
         from paratrain.plan.auto import resolve_auto_strategy
 
         cfg = resolve_auto_strategy(cfg)
-    from paratrain.doctor.report import format_report
-    from paratrain.doctor.run import run_doctor
+    from paratrain.doctor.doctor_report import format_report
+    from paratrain.doctor.run_doctor import run_doctor
 
     report = run_doctor(cfg, steps, warmup, str(trace) if trace else None, mem_budget_gib, probe_rounds)
     if report is None:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
     if html:
-        from paratrain.doctor.html_report import write_doctor_html
+        from paratrain.doctor.doctor_html import write_doctor_html
 
         report["html"] = write_doctor_html(report, str(html))
     sys.stderr.write(format_report(report))
@@ -374,7 +374,7 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
 
         doc["plot"] = str(plot_bench(doc, plot))
     if html is not None:
-        from paratrain.bench.html_report import write_bench_html
+        from paratrain.bench.bench_html import write_bench_html
 
         doc["html"] = write_bench_html(doc, str(html))
     sys.stderr.write(markdown_table(doc))
@@ -430,13 +430,15 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
 def plan(plan_opts: dict = None):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
-    from paratrain.plan.command import build_plan_inputs, format_plan
+    from paratrain.plan.plan_cli import build_plan_inputs, format_plan
     from paratrain.plan.request import PlanRequest
 
     as_json = plan_opts.pop("as_json")
     request = PlanRequest.of(plan_opts)
     if request.calibrate:
-        from paratrain.calibrate.run import calibrate_and_save  # only here: it imports the training stack
+        from paratrain.calibrate.save_profile import (
+            calibrate_and_save,  # only here: it imports the training stack
+        )
 
         profile, path = calibrate_and_save(request)
         log.info("calibrated (%s); saved %s", profile.source, path)
@@ -447,11 +449,11 @@ def plan(plan_opts: dict = None):
             if as_json:
                 emit_json({"hardware_profile": path, **profile.to_dict()})
             return
-    from paratrain.plan.cluster import is_gpu_list
+    from paratrain.plan.inputs.cluster import is_gpu_list
 
     if request.gpus is None and not (request.cluster or is_gpu_list(request.gpu)):
         raise UserError("--gpus N is required")
-    from paratrain.plan.report import plan_document
+    from paratrain.plan.plan_report import plan_document
 
     job, hw, fixed, mixed = build_plan_inputs(request)
     if request.search not in ("fast", "full"):
@@ -482,7 +484,7 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
            cloud: Optional[str] = typer.Option(None, "--cloud", help="skypilot: cloud"),
            train_opts: dict = None):
     """Write a Slurm, Kubernetes or SkyPilot job that runs this training on a cluster."""
-    from paratrain.launchers.command import LaunchOptions, render_launch
+    from paratrain.launchers.render_job import LaunchOptions, render_launch
 
     setup_cli_logging()
     restarts = train_opts.get("max_restarts")

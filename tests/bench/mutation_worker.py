@@ -34,8 +34,8 @@ KEEP = ("passed", "checks", "first_divergence", "tolerance", "margins", "noise_f
 
 
 def one(rt, overrides: dict, mutation: str | None) -> dict | None:
-    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
+    from paratrain.verify.parity import verify_in_group
     from support.faults import planted
 
     with planted(mutation):

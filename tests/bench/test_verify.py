@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from helpers import plugin_env
-from paratrain.bench.verify import check_verifiable, describe_divergence
-from paratrain.bench.verify_compare import Tolerance, compare_step, divergence, judge, nanmax
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.hooks import KINDS, Hooks
+from paratrain.verify.compare import Tolerance, compare_step, divergence, judge, nanmax
+from paratrain.verify.parity import check_verifiable, describe_divergence
 from support.faults import FAULT_ENV, MUTATIONS, plant, plugin
 
 CONTRACT = {"strategy", "dims", "world_size", "steps", "dtype", "tolerance", "max_loss_abs_diff", "max_grad_rel_diff",

@@ -3,7 +3,7 @@
 One 2-rank launch (mutation_worker.py, gloo) runs, for each mutation of tests/support/faults.py, a clean
 verify of its strategy (must pass: no false alarm) and the same verify with the bug planted (must fail at step 1
 and name the layer, parameter or rank). Reference: the single-device run of the same seed, weights and batches;
-fp32 tolerances of bench/verify_compare.py, and for bf16 4x the measured noise floor.
+fp32 tolerances of verify/compare.py, and for bf16 4x the measured noise floor.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from paratrain.train.export import export_checkpoint
+from paratrain.convert.hf_export import export_checkpoint
 
 
 @pytest.fixture(scope="module")

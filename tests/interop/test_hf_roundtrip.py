@@ -14,11 +14,11 @@ import pytest
 import torch
 import transformers  # the [hf] extra is part of [test]
 
+from paratrain.convert.hf_export import export_checkpoint  # noqa: E402
 from paratrain.interop import hf_format  # noqa: E402
 from paratrain.models.presets import PRESETS, build_model  # noqa: E402
 from paratrain.train.checkpoint import load_params  # noqa: E402
 from paratrain.train.data import BatchSource, make_dataset  # noqa: E402
-from paratrain.train.export import export_checkpoint  # noqa: E402
 
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
 
@@ -105,7 +105,7 @@ def test_logit_check_catches_a_wrong_rope_layout(tmp_path, monkeypatch, tiny_che
 
 
 def test_export_streams_one_shard_at_a_time(tmp_path, monkeypatch, tiny_checkpoint):
-    from paratrain.train import export as export_mod
+    from paratrain.convert import hf_export as export_mod
 
     ck = tiny_checkpoint
     loaded: list[int] = []

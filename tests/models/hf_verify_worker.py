@@ -36,8 +36,8 @@ KEEP = ("passed", "checks", "first_divergence", "dims", "max_loss_abs_diff", "ma
 
 
 def one(rt, root: Path, model: str, strategy: str, mutation: str | None = None) -> dict | None:
-    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
+    from paratrain.verify.parity import verify_in_group
     from support.faults import planted
 
     with planted(mutation):

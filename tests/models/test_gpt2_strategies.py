@@ -1,5 +1,5 @@
 """GPT-2 (tied embedding, frozen key bias) under the strategies that can hold a tied table, and the refusal of
-those that cannot. Reference: bench/verify.py's single-device run of the same seed and batches (fp32
+those that cannot. Reference: verify/parity.py's single-device run of the same seed and batches (fp32
 tolerances); the suite's shared 2-rank process group runs every verify (tests/groups.py)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Reference: calibrate/harness.py runs the real Trainer on the transformers model (2 gloo ranks, one process group
 for every config) under its live-tensor tracker, and reports each rank's peak live bytes over a steady step.
-The planner predicts from the config.json's shape (plan/hf_config.py), its activations traced on paratrain's
+The planner predicts from the config.json's shape (plan/inputs/hf_config.py), its activations traced on paratrain's
 equivalent block. Tolerance: 10% on the busiest rank, for single, ddp and zero3 on all four test models.
 
 GPT-2 runs with activation_function "gelu_pytorch_tanh" (one fused op, as the planner's block has): with
@@ -61,7 +61,7 @@ def test_plan_cli_reads_an_hf_directory(measured):
     assert abs(total_mib / (max(result["peak_bytes"]) / 2**20) - 1) < TOLERANCE, total_mib
     # --hf-config takes the same directory (or its config.json) and reads the same shape
     from paratrain.models.presets import count_params
-    from paratrain.plan.hf_config import load_hf_config
+    from paratrain.plan.inputs.hf_config import load_hf_config
 
     assert count_params(load_hf_config(path)) == doc["model"]["params"]
     assert count_params(load_hf_config(f"{path}/config.json")) == doc["model"]["params"]

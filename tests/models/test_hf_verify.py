@@ -2,7 +2,7 @@
 
 One 4-rank launch (hf_verify_worker.py, gloo, CPU) verifies ddp, zero2, zero3, hsdp, tp, tp-sp, cp-ring, cp-ulysses
 dp_shard 2 x tp 2 and pp 2 (1f1b) x dp 2 on tiny random Llama and Qwen2 configs, ddp and zero3 on Mistral (grouped-query) and GPT-2
-(tied head), 2 steps each at fp32 tolerances (bench/verify_compare.py). Then four planted bugs must be caught at
+(tied head), 2 steps each at fp32 tolerances (verify/compare.py). Then four planted bugs must be caught at
 step 1, named by the transformers parameter or module they touch.
 """
 

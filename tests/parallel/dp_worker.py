@@ -17,13 +17,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.verify import verify_in_group
 from paratrain.config import TrainConfig
 from paratrain.models.presets import count_params
 from paratrain.parallel.comm import count_collectives
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run
+from paratrain.verify.parity import verify_in_group
 
 
 def config(rt, **overrides) -> TrainConfig:

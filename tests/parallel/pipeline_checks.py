@@ -3,7 +3,7 @@
     python tests/parallel/pipeline_checks.py 2|4 CKPT_DIR   -> one JSON document on stdout
 
 For each layout: a single-device reference Trainer on rank 0 (same seed, weights, batches) against the
-pipelined Trainer, through paratrain verify itself (bench/verify.py verify_in_group, fp32 tolerances).
+pipelined Trainer, through paratrain verify itself (verify/parity.py verify_in_group, fp32 tolerances).
 The 2-rank group also saves a checkpoint from one stage layout and resumes it into another.
 """
 
@@ -37,8 +37,8 @@ LAYOUTS = {
 
 
 def check_layout(rt, overrides: dict) -> dict | None:
-    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
+    from paratrain.verify.parity import verify_in_group
 
     result = verify_in_group(TrainConfig(**{**BASE, **overrides}), rt)
     if not rt.is_main:
@@ -58,7 +58,7 @@ def all_params(trainer) -> dict | None:
     """{name: full tensor} over every rank's parameters, on rank 0 (each pipeline rank holds some)."""
     import torch.distributed as dist
 
-    from paratrain.bench.verify_probe import full_tensors
+    from paratrain.verify.recorder import full_tensors
 
     mine = full_tensors(trainer.step_runner.model_parts, "param")
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

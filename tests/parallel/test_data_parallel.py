@@ -1,6 +1,6 @@
 """Data-parallel family: ZeRO-1/2/3, HSDP, comm hooks, local SGD, collective accounting, model-state bytes.
 
-Parity reference: bench/verify.py's single-device run of the same seed and batches, fp32 tolerances (loss 1e-5
+Parity reference: verify/parity.py's single-device run of the same seed and batches, fp32 tolerances (loss 1e-5
 relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). conftest.py's two launches (2 and 4 ranks, gloo)
 run every multi-rank check through dp_worker.py; the approximate methods (fp16 / PowerSGD hooks, local SGD) must end
 within 3% of DDP's loss (mean of the last 10 steps) after the same number of steps.

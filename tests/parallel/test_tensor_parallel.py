@@ -1,7 +1,7 @@
 """Tensor and sequence parallel: plans and their checks, parity against one device, and the CLI contract.
 
 References: `paratrain verify` compares against a single-device run of the same seed and batches (fp32
-tolerances of bench/verify.py); tp_parity_worker.py compares against the unsharded module, rtol 1e-5.
+tolerances of verify/parity.py); tp_parity_worker.py compares against the unsharded module, rtol 1e-5.
 """
 
 from __future__ import annotations

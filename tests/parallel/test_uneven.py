@@ -1,7 +1,7 @@
 """Uneven splits for mixed clusters: --dp-batch-split and --pp-layers against one device, and the test rank
 throttle (tests/support/throttle.py; its parser and clock are tested in tests/support/test_throttle.py).
 
-Parity reference: bench/verify.py's single-device run on the same global batch (same seed, weights, data order),
+Parity reference: verify/parity.py's single-device run on the same global batch (same seed, weights, data order),
 every step, every rank, at verify's fp32 tolerances (loss 1e-5 relative, grads 1e-4, params 1e-5 + 1e-4
 relative). Two launches (2 and 3 ranks, gloo) run every multi-rank check through uneven_worker.py. The fault
 check: the same split with every rank's loss weighted alike instead of by its tokens (mutation h) must fail.
@@ -22,7 +22,7 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import config_fields, resolve_layout
-from paratrain.parallel.uneven import dp_loss_weight, dp_micro_batches, stage_layer_counts
+from paratrain.parallel.uneven_split import dp_loss_weight, dp_micro_batches, stage_layer_counts
 from paratrain.train.data import BatchSource, SyntheticMarkov
 
 HERE = os.path.dirname(os.path.abspath(__file__))

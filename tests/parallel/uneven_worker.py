@@ -44,8 +44,8 @@ KEEP = ("passed", "checks", "first_divergence", "margins", "dims", "max_loss_rel
 
 
 def one(rt, overrides: dict, mutation: str | None = None) -> dict | None:
-    from paratrain.bench.verify import verify_in_group
     from paratrain.config import TrainConfig
+    from paratrain.verify.parity import verify_in_group
     from support.faults import planted
 
     with planted(mutation):

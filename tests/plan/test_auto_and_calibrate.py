@@ -6,7 +6,7 @@ import pytest
 
 from paratrain.config import TrainConfig
 from paratrain.plan.auto import resolve_auto_strategy
-from paratrain.plan.hardware import load_profile
+from paratrain.plan.inputs.hardware import load_profile
 
 
 @pytest.mark.timeout(600)

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from paratrain.models.presets import get_preset
-from paratrain.plan import trace_cache, units
-from paratrain.plan.compose import Composed
-from paratrain.plan.trace import TraceKey, trace_once
+from paratrain.plan.costing.compose import Composed
+from paratrain.plan.tracing import trace_cache, units
+from paratrain.plan.tracing.trace import TraceKey, trace_once
 
 TINY = dataclasses.replace(get_preset("tiny"), tie_embeddings=False)
 # (key fields, depth): every unit path the planner composes - parts, AC, TP+SP, CP, autocast, micro-batch 3 from 1, 2
@@ -89,7 +89,7 @@ def test_cache_stays_out_of_the_repository(monkeypatch, tmp_path):
 def test_ring_middle_steps_traced_once_match_the_whole_ring(monkeypatch, ac):
     """Ring attention at cp=8 on a simulated ring of 3 (its middle step weighted cp - 2 = 6 times) records the
     same memory, op totals and collectives as walking all 8 steps; and the weighting is what makes it so."""
-    from paratrain.plan import local_model
+    from paratrain.plan.tracing import local_model
 
     monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
     key = units.UnitKey(args=TINY, seq_len=128, cp=8, cp_impl="ring", ac=ac)
@@ -112,7 +112,7 @@ def test_ring_middle_steps_traced_once_match_the_whole_ring(monkeypatch, ac):
 def test_optimizer_at_two_blocks_derived_equals_traced(monkeypatch, device_type):
     """A part's optimizer step at 2 blocks is derived (the part at 1 block + a middle part's 1 -> 2 blocks):
     the same state bytes, peak and op totals as tracing it; a broken derivation (one block too few) differs."""
-    from paratrain.plan import trace as tr
+    from paratrain.plan.tracing import trace as tr
 
     monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
     cost = lambda kind, f, b, d: 1e-5 + b / 1e12 + f / 1e14  # noqa: E731 - a fixed overhead exposes op counts
@@ -136,7 +136,7 @@ def test_optimizer_at_two_blocks_derived_equals_traced(monkeypatch, device_type)
 def test_last_part_optimizer_derived_equals_traced(monkeypatch, device_type, tp):
     """The last pipeline part's optimizer step at 1 block is derived (whole + middle - first): the same state
     bytes, peak and op totals as tracing it; swapping first and middle (a part without the head) differs."""
-    from paratrain.plan import trace as tr
+    from paratrain.plan.tracing import trace as tr
 
     monkeypatch.setenv("PARATRAIN_TRACE_CACHE", "0")
     cost = lambda kind, f, b, d: 1e-5 + b / 1e12 + f / 1e14  # noqa: E731 - a fixed overhead exposes op counts
@@ -161,7 +161,7 @@ def test_first_micro_batch_is_derived_from_the_accumulating_pass(monkeypatch):
     the fault: if no gradient is ever counted as made, the first micro-batch's peak comes out wrong."""
     import torch
 
-    from paratrain.plan.compose import unit_key
+    from paratrain.plan.costing.compose import unit_key
 
     key = TraceKey(args=TINY, seq_len=32, micro_batch=2, ac="selective")
     direct = trace_once(key, 3)

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from paratrain.plan import report
+from paratrain.plan import plan_report
 from paratrain.plan.gc_pause import gc_paused
 
 
@@ -17,10 +17,10 @@ def test_plan_document_searches_with_the_collector_paused_and_restores_it(monkey
         seen.append(gc.isenabled())
         raise RuntimeError("stop after the search")
 
-    monkeypatch.setattr(report, "search", fake_search)
+    monkeypatch.setattr(plan_report, "search", fake_search)
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="stop after the search"):
-        report.plan_document(None, None, {})
+        plan_report.plan_document(None, None, {})
     assert seen == [False]
     assert gc.isenabled()  # re-enabled although the search raised
 

@@ -9,7 +9,7 @@ import pytest
 from paratrain.errors import UserError
 from paratrain.models.hf_shape import args_from_hf_config
 from paratrain.models.presets import build_model, count_params
-from paratrain.plan.hf_config import load_hf_config
+from paratrain.plan.inputs.hf_config import load_hf_config
 
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None, "vocab_size": 50257,
         "n_positions": 1024}

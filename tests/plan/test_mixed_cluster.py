@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from paratrain.plan.uneven import water_fill
+from paratrain.plan.costing.uneven_cost import water_fill
 
 CONTRACT = ("strategy", "dims", "pp_schedule", "microbatches", "micro_batch", "activation_checkpointing",
             "memory_gib", "step_time_s", "tokens_per_s_per_device", "mfu", "comm_bytes_per_step",
@@ -70,7 +70,7 @@ def test_a_homogeneous_list_plans_as_the_plain_gpu_does(cli_inproc):
         plain, _ = plan(cli_inproc, *TINY, "--gpu", "cpu", "--gpus", "2", *fixed, "--top", "1")
         a, b = listed["candidates"][0], plain["candidates"][0]
         assert a["dims"] == b["dims"] and a["micro_batch"] == b["micro_batch"]
-        # the per-device pricing (uneven.py, its own pipeline composition included) agrees with plan/time.py
+        # the per-device pricing (uneven.py, its own pipeline composition included) agrees with plan/costing/time.py
         assert a["step_time_s"] == pytest.approx(b["step_time_s"], rel=1e-9)
         assert a["dp_batch_split"] is None and a["pp_layers"] is None and "--dp-batch-split" not in a["command"]
 

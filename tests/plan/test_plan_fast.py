@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from paratrain.errors import UserError
-from paratrain.plan.command import build_job
-from paratrain.plan.report import plan_document
+from paratrain.plan.plan_cli import build_job
+from paratrain.plan.plan_report import plan_document
 
 G22 = {"model_type": "gpt2", "n_layer": 48, "n_embd": 6144, "n_head": 64, "n_inner": None, "vocab_size": 51200,
        "n_positions": 2048, "tie_word_embeddings": False}  # the GPT-style 22B (Korthikanti et al. 2022)

@@ -8,9 +8,9 @@ import pytest
 
 from helpers import plugin_env
 from paratrain.parallel.layout import Layout
-from paratrain.plan.probe import Probe, choose, format_probe_table
+from paratrain.plan.costing.time import TimeEstimate
+from paratrain.plan.probe_refit import Probe, choose, format_probe_table
 from paratrain.plan.search import Candidate
-from paratrain.plan.time import TimeEstimate
 
 
 def candidate(predicted: float, **degrees) -> Candidate:

@@ -9,9 +9,9 @@ import pytest
 
 from paratrain.gpu_catalog import get_gpu
 from paratrain.parallel.layout import Layout
-from paratrain.plan.collectives import collective_time
-from paratrain.plan.hardware import profile_from_spec
-from paratrain.plan.time import DDP_BUCKET_BYTES, TimeEstimate, distributed_optimizer_comm
+from paratrain.plan.costing.collectives import collective_time
+from paratrain.plan.costing.time import DDP_BUCKET_BYTES, TimeEstimate, distributed_optimizer_comm
+from paratrain.plan.inputs.hardware import profile_from_spec
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_published.py"
 
@@ -84,8 +84,8 @@ def test_distributed_optimizer_hides_only_under_the_compute_it_is_given():
 def test_a_board_variants_stated_memory_bandwidth_prices_memory_bound_ops_and_keeps_the_peaks():
     """torchtitan's H100s are 96 GB HBM2e boards at 2.4 TB/s: memory-bound work slows by 3.35 / 2.4, matmuls keep
     the SXM datasheet peak."""
-    from paratrain.plan.hardware import with_cluster_overrides
-    from paratrain.plan.time import op_cost
+    from paratrain.plan.costing.time import op_cost
+    from paratrain.plan.inputs.hardware import with_cluster_overrides
 
     sxm = profile_from_spec(get_gpu("h100-sxm"))
     board = profile_from_spec(with_cluster_overrides(get_gpu("h100-sxm"), mem_gib=96, mem_bw_gbs=2400))

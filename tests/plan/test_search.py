@@ -8,11 +8,11 @@ from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import get_preset
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout, train_args
-from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
-from paratrain.plan.hardware import profile_from_spec
-from paratrain.plan.memory import in_flight
+from paratrain.plan.costing.collectives import collective_time, members_per_node, wire_bytes
+from paratrain.plan.costing.memory import in_flight
+from paratrain.plan.costing.time import pipeline_factor
+from paratrain.plan.inputs.hardware import profile_from_spec
 from paratrain.plan.search import Job, base_layouts, structural_problem
-from paratrain.plan.time import pipeline_factor
 
 
 def test_ring_formulas():
@@ -99,7 +99,7 @@ def test_async_tp_and_distributed_optimizer_pricing():
     reduce-scatters the gradients and all-gathers the parameters once per step instead of ZeRO's broadcasts."""
     from dataclasses import replace
 
-    from paratrain.plan.time import estimate_time
+    from paratrain.plan.costing.time import estimate_time
 
     prof = profile_from_spec(get_gpu("h100-sxm"))
     args = get_preset("small")

@@ -35,11 +35,11 @@ ROUNDS = 2
 
 @pytest.mark.timeout(240)
 def test_the_planners_uneven_split_beats_the_even_split_on_a_throttled_rank(tmp_path, monkeypatch):
-    from paratrain.bench.probe import probe_config
+    from paratrain.bench.probe_layouts import probe_config
     from paratrain.bench.scaling import run_cells, slowest_rank_step_times
     from paratrain.config import TrainConfig
-    from paratrain.plan.command import build_plan_inputs
-    from paratrain.plan.report import plan_document
+    from paratrain.plan.plan_cli import build_plan_inputs
+    from paratrain.plan.plan_report import plan_document
 
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"nodes": [{"gpu": "cpu", "count": 2, "speed": [1.0, 1 / FACTOR]}]}))

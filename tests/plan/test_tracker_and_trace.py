@@ -7,9 +7,9 @@ import contextlib
 import torch
 
 from paratrain.models.presets import get_preset
-from paratrain.plan import compose
-from paratrain.plan import trace as trace_mod
-from paratrain.plan.tracker import LiveTensorTracker
+from paratrain.plan.costing import compose
+from paratrain.plan.tracing import trace as trace_mod
+from paratrain.plan.tracing.tracker import LiveTensorTracker
 
 
 def test_tracker_counts_storages_once_and_frees_them():

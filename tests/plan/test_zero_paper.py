@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.plan.memory import model_state_bytes
+from paratrain.plan.costing.memory import model_state_bytes
 
 PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
 

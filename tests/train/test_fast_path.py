@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO, cli_env
-from paratrain.bench.verify import clean_name
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.presets import PRESETS, build_model
@@ -28,6 +27,7 @@ from paratrain.train.optim import build_optimizer
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, lm_loss
 from paratrain.train.trainer import Trainer
+from paratrain.verify.parity import clean_name
 
 TINY = PRESETS["tiny"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from paratrain.train.prepare import prepare_tokens
+from paratrain.interop.prepare_tokens import prepare_tokens
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n\n" * 40,

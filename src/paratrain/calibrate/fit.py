@@ -87,7 +87,7 @@ def measure_references(rt, rounds: int = 9, warmup: int = 2) -> dict[str, float]
 def _predict(profile, name: str, world: int, device_type: str) -> float:
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.strategies import resolve_layout
-    from paratrain.plan.time import estimate_time
+    from paratrain.plan.costing.time import estimate_time
 
     cfg = reference_config(name, world, device_type)
     layout = resolve_layout(cfg, 1 if _single(name) else world)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 def _measure_one(cfg, rt, steps: int, memory: bool, opts_breakdown: bool = False) -> dict:
     from paratrain.parallel.strategies import resolve_layout, world_size_of
-    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.plan.tracing.tracker import LiveTensorTracker
     from paratrain.train.trainer import Trainer
 
     world = world_size_of(cfg.strategy, rt.world_size)

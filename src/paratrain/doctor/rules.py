@@ -324,7 +324,7 @@ def check_allocation(ctx: Context) -> Finding | None:
 
 def _sequences_per_rank(ctx: Context) -> list[int] | None:
     """Each captured rank's sequences per step under --dp-batch-split; None when the split is even."""
-    from paratrain.parallel.uneven import dp_shares
+    from paratrain.parallel.uneven_split import dp_shares
 
     shares = dp_shares(ctx.layout) if getattr(ctx.layout, "dp_micro_batches", None) else ()
     if not shares:

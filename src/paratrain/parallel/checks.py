@@ -10,7 +10,7 @@ from paratrain.errors import UserError
 from paratrain.parallel.dims import all_dims, resolve
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import CP_IMPLS, MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES
-from paratrain.parallel.uneven import refuse_uneven_dp, stage_layer_counts
+from paratrain.parallel.uneven_split import refuse_uneven_dp, stage_layer_counts
 
 
 def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_type: str = "cpu") -> None:

@@ -5,7 +5,7 @@ field, the config field, the JSON key), its CLI flag and help, its place in the 
 factor of the world size, and where its check, its `apply_*` and its planner cost term live. From this
 registry come the degree options of `train`, `verify`, `doctor`, `launch` and `plan` (cli.py), the run
 config's degree fields (config.py), Layout's degree fields, DIM_NAMES and mesh order (layout.py), the checks
-(checks.py), the plan request and the planner's search over degrees (plan/command.py, plan/search.py), and
+(checks.py), the plan request and the planner's search over degrees (plan/plan_cli.py, plan/search.py), and
 what launchers and bench write (launchers/, bench/scaling.py).
 
 The references are "module:function" strings, resolved only when called: parallel/ never imports plan/, and
@@ -51,18 +51,18 @@ class Dim:
 
 _REGISTRY: list[Dim] = [
     Dim("dp_replicate", "data-parallel replicas", mesh_order=10,
-        apply="paratrain.parallel.data_parallel:apply_ddp", cost="paratrain.plan.time:data_parallel_comm"),
+        apply="paratrain.parallel.data_parallel:apply_ddp", cost="paratrain.plan.costing.time:data_parallel_comm"),
     Dim("dp_shard", "data-parallel shards (FSDP / ZeRO)", mesh_order=20, fix_help="fix: data-parallel shards",
-        apply="paratrain.parallel.data_parallel:apply_fsdp", cost="paratrain.plan.time:data_parallel_comm"),
+        apply="paratrain.parallel.data_parallel:apply_fsdp", cost="paratrain.plan.costing.time:data_parallel_comm"),
     # innermost: TP's collectives are the most frequent, so it stays on the fastest links (inside a node)
     Dim("tp", "tensor-parallel degree", mesh_order=40, check="paratrain.parallel.checks:check_tp",
-        apply="paratrain.parallel.tensor_parallel:apply_tp", cost="paratrain.plan.time:chunk_time"),
+        apply="paratrain.parallel.tensor_parallel:apply_tp", cost="paratrain.plan.costing.time:chunk_time"),
     # outermost: a pipeline sends the least
     Dim("pp", "pipeline-parallel degree", mesh_order=0, fix_help="fix: pipeline degree",
         check="paratrain.parallel.checks:check_pp", apply="paratrain.parallel.pipeline_split:split_into_stages",
-        cost="paratrain.plan.time:pipeline_factor"),
+        cost="paratrain.plan.costing.time:pipeline_factor"),
     Dim("cp", "context-parallel degree", mesh_order=30, check="paratrain.parallel.checks:check_cp",
-        apply="paratrain.parallel.context_parallel:apply_cp", cost="paratrain.plan.time:chunk_time"),
+        apply="paratrain.parallel.context_parallel:apply_cp", cost="paratrain.plan.costing.time:chunk_time"),
 ]
 _read = False
 

@@ -70,7 +70,7 @@ class Layout:
     local_sgd_period: int = 0
     cpu_offload: bool = False
     powersgd_start: int = 2  # plain all-reduce steps before PowerSGD compresses
-    # uneven splits (parallel/uneven.py); empty: even. dp_micro_batches: each data-parallel rank's micro-batch
+    # uneven splits (parallel/uneven_split.py); empty: even. dp_micro_batches: each data-parallel rank's micro-batch
     # (then micro_batch is the largest of them); pp_layers: transformer blocks per pipeline stage
     dp_micro_batches: tuple[int, ...] = ()
     pp_layers: tuple[int, ...] = ()

@@ -89,7 +89,7 @@ def split_into_stages(model: nn.Module, pp: int, virtual_stages: int = 1, seq_le
 
 def explicit_bounds(counts: tuple[int, ...], n_stages: int, n_layers: int) -> list[tuple[int, int]]:
     """[lo, hi) layer ranges of stages holding counts[s] layers each (checked: one per stage, summing to all)."""
-    from paratrain.parallel.uneven import stage_layer_counts
+    from paratrain.parallel.uneven_split import stage_layer_counts
 
     stage_layer_counts(":".join(map(str, counts)), n_stages, n_layers)
     bounds, lo = [], 0

@@ -199,7 +199,7 @@ def resolve_layout(cfg, world_size: int) -> Layout:
 
 def uneven_fields(cfg, degrees: dict[str, int]) -> dict:
     """Layout fields for --dp-batch-split (each dp rank's micro-batch) and --pp-layers (blocks per stage)."""
-    from paratrain.parallel.uneven import dp_micro_batches
+    from paratrain.parallel.uneven_split import dp_micro_batches
 
     fields: dict = {}
     split = getattr(cfg, "dp_batch_split", None)
@@ -213,7 +213,7 @@ def uneven_fields(cfg, degrees: dict[str, int]) -> dict:
     if layers:
         if degrees["pp"] == 1:
             raise UserError("--pp-layers sets blocks per pipeline stage; it needs --pp > 1 (strategy pp or model)")
-        from paratrain.parallel.uneven import parse_counts
+        from paratrain.parallel.uneven_split import parse_counts
 
         fields["pp_layers"] = parse_counts(layers, "--pp-layers")
     return fields

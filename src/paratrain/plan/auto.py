@@ -17,7 +17,7 @@ log = logging.getLogger("paratrain")
 
 def auto_hardware(device: str):
     from paratrain.gpu_catalog import get_gpu
-    from paratrain.plan.hardware import default_profile_path, detect, load_profile, profile_from_spec
+    from paratrain.plan.inputs.hardware import default_profile_path, detect, load_profile, profile_from_spec
 
     machine = detect()
     use_cuda = device == "cuda" or (device == "auto" and machine["device"] == "cuda")
@@ -74,7 +74,7 @@ def resolve_auto_strategy(cfg):
     job, profile, where, feasible = plan_for_auto(cfg)
     best = feasible[0]
     lay = best.layout
-    from paratrain.plan.report import explain
+    from paratrain.plan.plan_report import explain
 
     log.info("--strategy auto (%s, %s): %s, micro-batch %d, ac %s; predicted %.3g s/step, %.2f GiB/device",
              where, f"{job.gpus} x {profile.gpu.name}", lay.label(), lay.micro_batch, lay.ac, best.time.step_s,

@@ -1,6 +1,6 @@
 """The planner's prediction for the Layout a run executed, for bench and doctor to show next to measurements.
 
-plan/memory.py and plan/time.py evaluate that exact Layout (the one the trainer ran, as its fit summary
+plan/costing/memory.py and plan/costing/time.py evaluate that exact Layout (the one the trainer ran, as its fit summary
 reports it) on this machine's hardware profile: the calibrated one when `paratrain plan --calibrate` has
 saved it, else the catalog entry (a rough placeholder on CPU).
 """
@@ -19,8 +19,8 @@ def predict_layout(layout: Layout, args, seq_len: int, device: str) -> dict | No
     None when the planner cannot evaluate it (then bench and doctor show measurements only)."""
     try:
         from paratrain.plan.auto import auto_hardware
-        from paratrain.plan.memory import estimate_memory
-        from paratrain.plan.time import estimate_time
+        from paratrain.plan.costing.memory import estimate_memory
+        from paratrain.plan.costing.time import estimate_time
         from paratrain.train.runtime import pick_device_type
 
         device_type = pick_device_type(device)

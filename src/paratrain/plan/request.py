@@ -1,4 +1,4 @@
-"""PlanRequest: what `paratrain plan` was asked, typed. The CLI builds it; plan/command.py and `plan --calibrate`
+"""PlanRequest: what `paratrain plan` was asked, typed. The CLI builds it; plan/plan_cli.py and `plan --calibrate`
 read its attributes. A choice left None is searched; one given is fixed."""
 
 from __future__ import annotations

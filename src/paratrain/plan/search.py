@@ -24,9 +24,9 @@ from paratrain.parallel.options import (
     PP_SCHEDULES,
 )
 from paratrain.parallel.strategies import zero_stages
-from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
-from paratrain.plan.time import TimeEstimate, estimate_time
+from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
+from paratrain.plan.costing.time import TimeEstimate, estimate_time
+from paratrain.plan.inputs.hardware import HardwareProfile
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 
@@ -95,7 +95,7 @@ def stages_per_rank(schedule: str) -> int:
 def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
     """The model family must have a TP plan the runtime can apply (models/plans.py). Building even a meta model
     imports torch's compiler stack (seconds), so the answer is cached on disk with the traces."""
-    from paratrain.plan.trace_cache import cached
+    from paratrain.plan.tracing.trace_cache import cached
 
     problem = cached("tp-plan", {"args": args, "tp": tp, "sp": sp}, lambda: _tp_plan_problem(args, tp, sp),
                      lambda doc: doc)

@@ -107,7 +107,7 @@ class TokenFile:
             raise UserError(f"data file not found: {path}")
         self.meta = None
         if p.suffix == ".bin":
-            from paratrain.train.prepare import read_sidecar, sidecar_path
+            from paratrain.interop.prepare_tokens import read_sidecar, sidecar_path
 
             self.meta = read_sidecar(p)
             if self.meta is not None and self.meta["vocab_size"] > vocab_size:

@@ -25,7 +25,7 @@ from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.parallel.uneven import dp_loss_weight, dp_shares
+from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.evaluate import build_validator, evaluate, perplexity

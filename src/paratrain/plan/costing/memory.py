@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
-from paratrain.plan.compose import Composed, trace
-from paratrain.plan.trace import PhasePeak, TraceKey
+from paratrain.plan.costing.compose import Composed, trace
+from paratrain.plan.tracing.trace import PhasePeak, TraceKey
 
 GIB = 2**30
 
@@ -184,7 +184,9 @@ def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[in
 
 @functools.lru_cache(maxsize=256)
 def _stage_layout(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
-    from paratrain.plan.trace_cache import cached  # a meta model costs seconds of imports: cache the split
+    from paratrain.plan.tracing.trace_cache import (
+        cached,  # a meta model costs seconds of imports: cache the split
+    )
 
     key = {"args": args, "pp": pp, "virtual": virtual, "seq_len": seq_len}
     return cached("stages", key, lambda: _split(args, pp, virtual, seq_len), lambda doc: [tuple(x) for x in doc])

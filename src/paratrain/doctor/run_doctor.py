@@ -19,7 +19,7 @@ def run_doctor(cfg, steps: int, warmup: int, trace: str | None, mem_budget_gib: 
     `probe_rounds`: rounds of counterfactual probe steps (0: none, costs by exposure only)."""
     from paratrain.doctor.capture import PROFILED_STEPS, doctor_worker
     from paratrain.doctor.chrome_trace import merge_traces
-    from paratrain.doctor.report import build_report
+    from paratrain.doctor.doctor_report import build_report
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.layout import Layout
     from paratrain.plan.predict import predict_layout

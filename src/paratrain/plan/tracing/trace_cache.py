@@ -18,8 +18,8 @@ from pathlib import Path
 
 FORMAT = "paratrain-trace/1"
 # the code a trace runs: a change in any of these files makes every cached trace stale
-_TRACED_MODULES = ("paratrain.models", "paratrain.plan.local_model", "paratrain.plan.units",
-                   "paratrain.plan.trace", "paratrain.plan.tracker", "paratrain.parallel.ring_attention",
+_TRACED_MODULES = ("paratrain.models", "paratrain.plan.tracing.local_model", "paratrain.plan.tracing.units",
+                   "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.ring_attention",
                    "paratrain.parallel.ulysses", "paratrain.parallel.cp_comm",
                    "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim")
 

@@ -95,6 +95,6 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px}}.
 
 
 def write_bench_html(doc: dict, path: str) -> str:
-    from paratrain.doctor.html_report import write_html
+    from paratrain.doctor.doctor_html import write_html
 
     return write_html(render_bench_html(doc), path)

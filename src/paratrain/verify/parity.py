@@ -2,7 +2,7 @@
 
 Same seed, same initial weights (built once on CPU, then sharded), same global batches. After EVERY step,
 EVERY rank sends rank 0 its loss, its pre-clip gradient norm, its full gradients (before clipping), its full
-parameters and its activation fingerprints; rank 0 compares each with the reference (bench/verify_compare.py)
+parameters and its activation fingerprints; rank 0 compares each with the reference (verify/compare.py)
 and reports where the run first diverges. docs/verify.md has the tolerances and their measured margins.
 """
 
@@ -15,7 +15,8 @@ import sys
 
 import torch.distributed as dist
 
-from paratrain.bench.verify_compare import (
+from paratrain.errors import UserError
+from paratrain.verify.compare import (
     Tolerance,
     compare_step,
     divergence,
@@ -23,8 +24,7 @@ from paratrain.bench.verify_compare import (
     judge,
     nanmax,
 )
-from paratrain.bench.verify_probe import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
-from paratrain.errors import UserError
+from paratrain.verify.recorder import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
 
 _REFERENCES: dict[str, dict] = {}  # reference runs by config, so one process group can verify many layouts
 

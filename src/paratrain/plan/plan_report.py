@@ -8,9 +8,9 @@ import math
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import train_args
+from paratrain.plan.costing.memory import GIB
 from paratrain.plan.gc_pause import gc_paused
-from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.memory import GIB
+from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.search import (
     Candidate,
     Job,
@@ -125,7 +125,7 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
 
 def rank_on_cluster(job: Job, cluster, feasible: list[Candidate], top: int) -> tuple[list[Candidate], dict]:
     """The search's best few, priced per device on the mixed cluster (uneven.py) and re-ranked by it."""
-    from paratrain.plan.uneven import analyze
+    from paratrain.plan.costing.uneven_cost import analyze
 
     pool = feasible[:top + 5]
     mixed = {id(c): analyze(job, cluster, c) for c in pool}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from paratrain.parallel.layout import DIM_NAMES, GROUP_DIMS
-from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.inputs.hardware import HardwareProfile
 
 WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

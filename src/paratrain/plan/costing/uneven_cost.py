@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from paratrain.parallel.layout import Layout
-from paratrain.plan.cluster import Cluster, Device
-from paratrain.plan.collectives import collective_time
-from paratrain.plan.memory import (
+from paratrain.plan.costing.collectives import collective_time
+from paratrain.plan.costing.memory import (
     GIB,
     chunk_memory,
     estimate_memory,
@@ -30,8 +29,7 @@ from paratrain.plan.memory import (
     memory_from_chunks,
     stage_layout,
 )
-from paratrain.plan.search import Candidate, Job
-from paratrain.plan.time import (
+from paratrain.plan.costing.time import (
     TimeEstimate,
     chunk_time,
     estimate_time,
@@ -39,6 +37,8 @@ from paratrain.plan.time import (
     slowest_and_others,
     stage_rank_slot,
 )
+from paratrain.plan.inputs.cluster import Cluster, Device
+from paratrain.plan.search import Candidate, Job
 
 
 @dataclass
@@ -221,7 +221,7 @@ class PipelineModel:
         return stage_rank_slot(self.cluster.profile_for(dev), chunks, transfer), sum(c.opt for c in chunks)
 
     def split(self, layers: list[int], kind: str) -> Split:
-        """Price a split as plan/time.py prices a pipeline: m slots of the slowest stage rank, a bubble of the
+        """Price a split as plan/costing/time.py prices a pipeline: m slots of the slowest stage rank, a bubble of the
         other ranks' work, the optimizer step, and the hand-off latencies while filling and draining."""
         lay, j = self.lay, self.job
         ref = self.cluster.profile_for(self.cluster.devices[0])
@@ -344,7 +344,7 @@ def analyze(job: Job, cluster: Cluster, cand: Candidate) -> MixedResult:
         even, uneven = dp_splits(job, cluster, lay)
     elif lay.pp > 1 and lay.dp == 1:
         even, uneven = pp_splits(job, cluster, lay)
-    else:  # the runtime splits the batch unevenly over data parallelism alone (parallel/uneven.py)
+    else:  # the runtime splits the batch unevenly over data parallelism alone (parallel/uneven_split.py)
         even, uneven = slowest_devices(cluster, lay, job), None
     chosen = uneven if uneven is not None and uneven.fits and uneven.step_s < even.step_s else even
     return MixedResult(even=even, chosen=chosen, uneven=uneven, reasons=explain_split(even, uneven, chosen, lay))

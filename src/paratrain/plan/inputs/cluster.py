@@ -18,7 +18,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError, read_json_file
 from paratrain.gpu_catalog import CATALOG, get_gpu
-from paratrain.plan.hardware import HardwareProfile, profile_from_spec, with_cluster_overrides
+from paratrain.plan.inputs.hardware import HardwareProfile, profile_from_spec, with_cluster_overrides
 
 NODE_KEYS = {"gpu", "count", "intra_node_gbs", "inter_node_gbs", "speed"}
 

@@ -13,8 +13,8 @@ import difflib
 import functools
 from dataclasses import dataclass
 
-from paratrain.plan.trace import PhasePeak, TraceKey, quiet_logs, trace_optimizer
-from paratrain.plan.units import Segment, UnitKey, UnitTrace, unit_trace
+from paratrain.plan.tracing.trace import PhasePeak, TraceKey, quiet_logs, trace_optimizer
+from paratrain.plan.tracing.units import Segment, UnitKey, UnitTrace, unit_trace
 
 
 def unit_key(key: TraceKey, micro_batch: int) -> UnitKey:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
-from paratrain.plan.collectives import collective_time, members_per_node, wire_bytes
-from paratrain.plan.compose import Composed, trace
-from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.memory import stage_layout, trace_key
+from paratrain.plan.costing.collectives import collective_time, members_per_node, wire_bytes
+from paratrain.plan.costing.compose import Composed, trace
+from paratrain.plan.costing.memory import stage_layout, trace_key
+from paratrain.plan.inputs.hardware import HardwareProfile
 
 DDP_BUCKET_BYTES = 25 * 2**20
 

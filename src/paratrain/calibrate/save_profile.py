@@ -20,7 +20,7 @@ from paratrain.calibrate.microbench import (
 )
 from paratrain.calibrate.timing import record_latencies
 from paratrain.gpu_catalog import GPUSpec
-from paratrain.plan.hardware import HardwareProfile, default_profile_path, detect
+from paratrain.plan.inputs.hardware import HardwareProfile, default_profile_path, detect
 from paratrain.plan.request import PlanRequest
 
 log = logging.getLogger("paratrain")

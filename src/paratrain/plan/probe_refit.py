@@ -1,7 +1,7 @@
 """`--strategy auto --probe K`, the planner's half: from the step times measured for the top K layouts, refit
 the model's cost per strategy, choose the measured best, and say why.
 
-The measuring is bench's (bench/probe.py runs each layout a few warm steps); nothing here starts a process.
+The measuring is bench's (bench/probe_layouts.py runs each layout a few warm steps); nothing here starts a process.
 Refit: per strategy, the median of measured / predicted over its probed layouts scales every candidate of
 that strategy (strategies not probed take the median over all probes), so the report can say whether a
 layout that was not probed would now be expected to win. The choice itself is the measured best: a model

@@ -1,5 +1,5 @@
 """`train --strategy auto --probe K`, the measuring half: run the planner's top K layouts a few warm steps each
-on this machine (one process group per layout, bench's machinery), then let plan/probe.py refit and choose.
+on this machine (one process group per layout, bench's machinery), then let plan/probe_refit.py refit and choose.
 
 It lives in bench/ because it starts process groups (the planner never does); see docs/mixed-clusters.md.
 """
@@ -56,7 +56,7 @@ def resolve_by_probe(cfg, warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS):
     """cfg (strategy auto, probe K) -> (the config of the measured best of the top K, the probe document)."""
     from paratrain.parallel.strategies import config_fields
     from paratrain.plan.auto import plan_for_auto
-    from paratrain.plan.probe import Probe, choose, format_probe_table, probe_document
+    from paratrain.plan.probe_refit import Probe, choose, format_probe_table, probe_document
     from paratrain.train.runtime import in_launched_process
 
     if in_launched_process():

@@ -23,8 +23,8 @@ from paratrain.models.args import ModelArgs
 if TYPE_CHECKING:
     import torch
 
-    from paratrain.plan.local_model import CommLog
-    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.plan.tracing.local_model import CommLog
+    from paratrain.plan.tracing.tracker import LiveTensorTracker
 
 PHASES = ("first_mb", "next_mb", "optimizer")
 # view / metadata ops: dispatcher overhead, no kernel and no memory traffic
@@ -186,7 +186,7 @@ def op_recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool =
 def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
     """The optimizer step of one rank's part: its state bytes, the step's peak and ops. It depends only on the
     parameter shapes, so every layout with the same TP split shares it (cached on disk too)."""
-    from paratrain.plan.trace_cache import cached
+    from paratrain.plan.tracing.trace_cache import cached
 
     if layers == 2 and part != "middle":
         # a second block adds the same tensors to every part: this part at 1 block plus a middle part's step
@@ -246,8 +246,8 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from paratrain.plan.local_model import CommLog, build_local_model
-    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.plan.tracing.local_model import CommLog, build_local_model
+    from paratrain.plan.tracing.tracker import LiveTensorTracker
     from paratrain.train.optim import build_optimizer
     from paratrain.train.step import clip_grad_norm
 
@@ -294,8 +294,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from paratrain.plan.local_model import CommLog, build_local_model
-    from paratrain.plan.tracker import LiveTensorTracker
+    from paratrain.plan.tracing.local_model import CommLog, build_local_model
+    from paratrain.plan.tracing.tracker import LiveTensorTracker
     from paratrain.train.step import autocast_context, lm_loss
 
     opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers)

@@ -11,8 +11,13 @@ from paratrain.errors import UserError
 from paratrain.gpu_catalog import custom_gpu, get_gpu
 from paratrain.parallel.dims import mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES
-from paratrain.plan.cluster import Cluster, reference_profile, resolve_cluster
-from paratrain.plan.hardware import HardwareProfile, load_profile, profile_from_spec, with_cluster_overrides
+from paratrain.plan.inputs.cluster import Cluster, reference_profile, resolve_cluster
+from paratrain.plan.inputs.hardware import (
+    HardwareProfile,
+    load_profile,
+    profile_from_spec,
+    with_cluster_overrides,
+)
 from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job
 
@@ -24,12 +29,12 @@ def resolve_model(model: str | None, hf_config: str | None):
     if bool(model) == bool(hf_config):
         raise UserError("give exactly one of --model PRESET or --hf-config config.json")
     if hf_config:
-        from paratrain.plan.hf_config import load_hf_config
+        from paratrain.plan.inputs.hf_config import load_hf_config
 
         args = load_hf_config(hf_config)
         return args, args.name
     from paratrain.models.presets import get_preset
-    from paratrain.plan.hf_config import load_hf_config, plans_hf_model
+    from paratrain.plan.inputs.hf_config import load_hf_config, plans_hf_model
 
     if plans_hf_model(model):  # --model hf:PATH: a transformers config.json, as --hf-config reads it
         return load_hf_config(model), model

@@ -86,9 +86,9 @@ def trace_units(key: UnitKey) -> UnitTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_leaves
 
-    from paratrain.plan.local_model import CommLog, build_local_model
-    from paratrain.plan.trace import op_recorder, quiet_logs
-    from paratrain.plan.tracker import LiveTensorTracker, storages_of
+    from paratrain.plan.tracing.local_model import CommLog, build_local_model
+    from paratrain.plan.tracing.trace import op_recorder, quiet_logs
+    from paratrain.plan.tracing.tracker import LiveTensorTracker, storages_of
     from paratrain.train.step import autocast_context, lm_loss
 
     result = UnitTrace(micro_batch=key.micro_batch)
@@ -233,6 +233,6 @@ def _decode(doc: dict) -> UnitTrace:
 @functools.lru_cache(maxsize=512)
 def unit_trace(key: UnitKey) -> UnitTrace:
     """The unit trace for `key`, from memory, the disk cache, or traced now."""
-    from paratrain.plan.trace_cache import cached
+    from paratrain.plan.tracing.trace_cache import cached
 
     return cached("units", key, lambda: trace_units(key), _decode)
