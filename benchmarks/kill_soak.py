@@ -20,6 +20,9 @@ import torch
 
 from paratrain.train.checkpoint import load_params
 
+# the kill comes from the tests' plugin (tests/support/kill_stall.py), loaded through PARATRAIN_PLUGINS
+TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+
 STEPS, EVERY = 8, 2
 
 
@@ -89,7 +92,9 @@ def main() -> None:
             step = rng.choice([s for s in range(EVERY + 1, STEPS) if s % EVERY])
             rank = (trial // len(strategies)) % 2  # every strategy loses rank 0 and rank 1 in turn
             out = root / f"trial-{trial}"
-            code, wall, err = train(strategy, out, {"PARATRAIN_FAULT_KILL": f"{rank}:{step}"}, restarts=1)
+            kill = {"PARATRAIN_PLUGINS": "support.kill_stall:plugin", "PARATRAIN_FAULT_KILL": f"{rank}:{step}",
+                    "PYTHONPATH": TESTS}
+            code, wall, err = train(strategy, out, kill, restarts=1)
             final = out / "ck" / f"step-{STEPS}"
             ok = code == 0 and final.is_dir() and identical(reference[strategy], load_params(final))
             same += ok

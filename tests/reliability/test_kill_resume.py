@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from helpers import plugin_env
 from paratrain.train import checkpoint as ckpt
 from reliability.inproc import make_trainer, one_rank
 from reliability.procnet import is_loopback
@@ -52,7 +53,7 @@ def test_killed_rank_resumes_bit_identical(references, tmp_path, strategy, trial
     run = run_train(
         [*kill_args(strategy, "run"), "--max-restarts", "1"],
         tmp_path,
-        env={"PARATRAIN_FAULT_KILL": f"{rank}:{step}"},
+        env=plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=f"{rank}:{step}"),
     )
     assert run.returncode == 0, f"{what}\n{run.stderr[-3000:]}"
     resumed_at = step - step % KILL_EVERY

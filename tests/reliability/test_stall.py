@@ -1,4 +1,4 @@
-"""Hang: one rank stalls (test-only PARATRAIN_FAULT_STALL); every rank must exit within --timeout-s plus a
+"""Hang: one rank stalls (tests/support/kill_stall.py, through the trainer's hooks); every rank must exit within --timeout-s plus a
 margin, non-zero, with one message naming the operation, and no process of the run may linger."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from helpers import plugin_env
 from reliability.runs import run_train
 
 TIMEOUT_S = 5
@@ -30,7 +31,7 @@ def processes_with(tag: str) -> list[int]:
 @pytest.mark.timeout(TIMEOUT_S + 30 + 15)
 def test_stalled_rank_makes_every_rank_exit(tmp_path):
     tag = f"PARATRAIN_TEST_TAG={uuid.uuid4().hex}"
-    env = {"PARATRAIN_FAULT_STALL": "1:2", tag.split("=")[0]: tag.split("=")[1]}
+    env = plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_STALL="1:2", **{tag.split("=")[0]: tag.split("=")[1]})
     run = run_train(
         [
             "--nproc",

@@ -120,6 +120,7 @@ def test_trainer_calls_each_step_point_once_per_step_in_order(monkeypatch):
     hooks.before_optimizer_step(lambda trainer: events.append("before_optimizer_step"))
     hooks.before_batch(lambda step: events.append(f"batch {step}") if step < 2 else None)
     hooks.after_parallelize(lambda module, layout: events.append(f"parallelized {layout.world}"))
+    hooks.after_step(lambda trainer, record: events.append(f"after step {record['step']}"))
 
     def wrap(trainer, micro, step):
         events.append("wrap in")
@@ -138,4 +139,5 @@ def test_trainer_calls_each_step_point_once_per_step_in_order(monkeypatch):
     step = ["wrap in", "start", "forward_backward", "gradients", "before_optimizer_step", "optimizer", "loss_sync",
             "wrap out"]
     assert events[0] == "parallelized 1" and events[1] == "batch 0"
-    assert [e for e in events if not e.startswith(("batch", "parallelized"))] == step * 2, events
+    assert [e for e in events if not e.startswith(("batch", "parallelized"))] == \
+        step + ["after step 1"] + step + ["after step 2"], events

@@ -1,22 +1,14 @@
-"""Faults: test-only injection (kill or stall a rank at a step) and one-line descriptions of collective failures.
+"""A failed run in one line: collective timeouts and lost peers named by operation and step, and RunFailed.
 
-Injection is driven by environment variables that are for tests only (docs/reliability.md). Both take
-"RANK:STEP" and act on the first attempt only, so an elastic restart can finish the run:
-  PARATRAIN_FAULT_KILL   SIGKILLs that rank right after that optimizer step;
-  PARATRAIN_FAULT_STALL  makes that rank sleep forever after that step, so its peers hit --timeout-s.
+Killing or stalling a rank on purpose is no part of paratrain: tests do it through the trainer's hooks
+(tests/support/kill_stall.py, docs/reliability.md).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 import traceback
 
-from paratrain.errors import CheckFailed, UserError
-
-KILL_ENV = "PARATRAIN_FAULT_KILL"
-STALL_ENV = "PARATRAIN_FAULT_STALL"
+from paratrain.errors import CheckFailed
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
 _PEER_LOST_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
@@ -40,34 +32,6 @@ class CollectiveFailure(CheckFailed, RuntimeError):
 
 class RunFailed(CheckFailed):
     """The run itself failed, not its input: the loss diverged, the data loader stalled. Exit 1, one line."""
-
-
-def fault_spec(var: str) -> tuple[int, int] | None:
-    spec = os.environ.get(var)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    try:
-        rank, step = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise UserError(f"{var} must look like RANK:STEP, got {spec!r}") from None
-    return rank, step
-
-
-def fault_hook():
-    """An on_step hook for Trainer.fit that injects the configured faults, or None."""
-    kill, stall = fault_spec(KILL_ENV), fault_spec(STALL_ENV)
-    if kill is None and stall is None:
-        return None
-
-    def hook(trainer, record):
-        here = (trainer.rt.rank, record["step"])
-        if here == kill:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if here == stall:
-            while True:
-                time.sleep(3600)
-
-    return hook
 
 
 def _operation(exc: BaseException) -> str:

@@ -42,6 +42,8 @@ KINDS = {
     "on_gradients": ("fn(trainer)", "each step, gradients complete: before unscaling and clipping"),
     "before_optimizer_step": ("fn(trainer)", "each step, after clipping, before the optimizers step"),
     "before_batch": ("fn(step)", "on the loader thread, before each step's batch is read"),
+    "after_step": ("fn(trainer, record)", "each step, after its metrics record is logged and before that step's "
+                   "checkpoint (record: the metrics.jsonl fields)"),
     "auto_candidates": ("fn(candidates) -> candidates", "--strategy auto: the feasible layouts, fastest first"),
     "on_collective": ("fn(call, proceed) -> result", "around each of paratrain's own collectives, process-wide "
                       "(parallel/collective_hooks.py)"),
@@ -115,6 +117,9 @@ class Hooks:
 
     def before_batch(self, fn) -> Handle:
         return self._add("before_batch", fn)
+
+    def after_step(self, fn) -> Handle:
+        return self._add("after_step", fn)
 
     def auto_candidates(self, fn) -> Handle:
         return self._add("auto_candidates", fn)

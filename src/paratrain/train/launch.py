@@ -20,7 +20,6 @@ from paratrain.train.rendezvous import STORE_ENV, in_launched_process, loopback_
 
 log = logging.getLogger("paratrain")
 
-FAULT_VARS = ("PARATRAIN_FAULT_KILL", "PARATRAIN_FAULT_STALL")
 PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.worker")
 
 
@@ -43,7 +42,7 @@ def _worker_env(port: int) -> dict[str, str | None]:
     lo = loopback_interface()
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env[var] = os.environ.get(var) or lo
-    for var in [k for k in os.environ if k.startswith("PARATRAIN_")] + list(FAULT_VARS):
+    for var in [k for k in os.environ if k.startswith("PARATRAIN_")]:
         env.setdefault(var, os.environ.get(var))
     return env
 

@@ -347,6 +347,7 @@ class Trainer:
                     monitor.observe(record)
                 if on_step is not None:
                     on_step(self, record)
+                self.hooks.fire("after_step", self, record)
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
                     self.save_checkpoint()
         except torch.cuda.OutOfMemoryError:

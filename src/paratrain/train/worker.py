@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
-from paratrain.train.faults import CollectiveFailure, describe_collective_failure, fault_hook
+from paratrain.train.faults import CollectiveFailure, describe_collective_failure
 
 log = logging.getLogger("paratrain")
 
@@ -36,7 +36,7 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None) 
 
             custom = load_script(custom)
         trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet, custom=custom)
-        summary = trainer.fit(on_step=fault_hook())
+        summary = trainer.fit()
     except UserError as exc:
         error = str(exc)
     except CollectiveFailure:
