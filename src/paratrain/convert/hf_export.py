@@ -4,12 +4,15 @@ Streaming: tensors are grouped into shards of at most `max_shard_bytes`; for eac
 shard's tensors (in one process, whatever layout saved them), they are converted and written, then freed.
 So memory holds one shard's worth of tensors at a time (a single tensor larger than the limit gets a shard
 of its own). Nothing is unpickled: `.metadata` goes through the restricted reader of safe_dcp.py.
+
+The manifest's `model_source` says which model the checkpoint holds, and so which writer runs: a paratrain
+preset (LlamaForCausalLM / GPT2LMHeadModel, converted by interop/hf_format.py), a transformers model trained with
+`--model hf:DIR` (written back in its own format: convert/hf_model_export.py), or a user's own nn.Module (a plain
+safetensors state dict: convert/state_dict_export.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import warnings
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from paratrain.convert.export_plan import ExportPlan, checkpoint_tensors, write_json
 from paratrain.errors import UserError
 from paratrain.interop.hf_format import HFTensor, hf_config, hf_tensors
 from paratrain.interop.hf_import import INDEX, SINGLE
@@ -74,16 +78,40 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _check_sources(step_dir: Path, specs: list[HFTensor], args: ModelArgs) -> dict:
-    md = SafeFileSystemReader(step_dir).read_metadata().state_dict_metadata
-    expected = {}
+def _check_sources(step_dir: Path, specs: list[HFTensor]) -> dict:
+    stored = checkpoint_tensors(step_dir)
     for spec in specs:
         for fqn in spec.sources:
-            entry = md.get(f"model.{fqn}")
-            if entry is None or not hasattr(entry, "size"):
-                raise UserError(f"{step_dir}: tensor model.{fqn} is missing from the checkpoint")
-            expected[fqn] = (tuple(entry.size), entry.properties.dtype)
-    return expected
+            if fqn not in stored:
+                raise UserError(f"{step_dir}: tensor model.{fqn} of the paratrain preset is missing from the checkpoint")
+    return stored
+
+
+def model_kind(step_dir: Path, manifest: dict) -> str:
+    """preset | hf | custom, from the manifest's model_source (or, for an older manifest, its model entry)."""
+    kind = (manifest.get("model_source") or {}).get("kind")
+    if kind is None:
+        model = manifest.get("model") or {}
+        kind = "custom" if "custom" in model else "hf" if str(model.get("name", "")).startswith("hf:") else "preset"
+    if kind not in ("preset", "hf", "custom"):
+        raise UserError(f"{step_dir}/{MANIFEST} holds a model of kind {kind!r}, which this paratrain cannot export "
+                        "(written by a newer version?)")
+    return kind
+
+
+def preset_plan(step_dir: Path, manifest: dict) -> ExportPlan:
+    try:
+        args = ModelArgs(**manifest["model"])
+    except (KeyError, TypeError):
+        raise UserError(f"{step_dir}/{MANIFEST} describes no model paratrain knows (no preset arguments, no hf: "
+                        "source, no custom model): nothing says which format to write") from None
+    specs = hf_tensors(args)
+
+    def finish(out: Path, dtype: str) -> list[str]:
+        write_json(out / "config.json", hf_config(args, dtype))
+        return ["config.json"]
+
+    return ExportPlan("preset", hf_config(args)["architectures"][0], specs, _check_sources(step_dir, specs), finish)
 
 
 def read_tensors(step_dir: Path, shapes: dict[str, tuple], fqns: list[str]) -> dict[str, torch.Tensor]:
@@ -104,15 +132,19 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
     safetensors_torch = require("safetensors.torch", "paratrain export")
     step_dir = find_checkpoint(ckpt)
     manifest = read_manifest(step_dir)
-    try:
-        args = ModelArgs(**manifest["model"])
-    except (KeyError, TypeError):
-        raise UserError(f"{step_dir}/{MANIFEST} describes no paratrain model preset (a custom model?): "
-                        "export supports the Llama and GPT-2 families") from None
-    specs = hf_tensors(args)
-    shapes = _check_sources(step_dir, specs, args)
+    kind = model_kind(step_dir, manifest)
+    if kind == "hf":
+        from paratrain.convert.hf_model_export import hf_model_plan
+
+        plan = hf_model_plan(step_dir, manifest)
+    elif kind == "custom":
+        from paratrain.convert.state_dict_export import state_dict_plan
+
+        plan = state_dict_plan(step_dir, manifest)
+    else:
+        plan = preset_plan(step_dir, manifest)
     target = DTYPES[dtype]
-    shards = plan_shards(specs, torch.tensor([], dtype=target).element_size(), max_shard_bytes)
+    shards = plan_shards(plan.specs, torch.tensor([], dtype=target).element_size(), max_shard_bytes)
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -123,8 +155,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        loaded = read_tensors(step_dir, shapes, [fqn for spec in shard for fqn in spec.sources])
-        tensors = {spec.name: spec.build(*(loaded[f] for f in spec.sources)).to(target).contiguous() for spec in shard}
+        loaded = read_tensors(step_dir, plan.shapes, [fqn for spec in shard for fqn in spec.sources])
+        tensors = {spec.name: _cast(spec.build(*(loaded[f] for f in spec.sources)), target) for spec in shard}
         del loaded
         try:
             safetensors_torch.save_file(tensors, str(out / name), metadata={"format": "pt"})
@@ -134,18 +166,13 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
     if len(shards) > 1:
-        _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    config = hf_config(args, dtype)
-    _write_json(out / "config.json", config)
-    return {"checkpoint": str(step_dir), "step": manifest["step"], "out": str(out),
-            "architecture": config["architectures"][0], "shards": len(shards), "tensors": len(weight_map),
-            "bytes": total, "dtype": dtype}
+        write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    files = plan.finish(out, dtype)
+    return {"checkpoint": str(step_dir), "step": manifest["step"], "out": str(out), "kind": plan.kind,
+            "architecture": plan.architecture, "shards": len(shards), "tensors": len(weight_map),
+            "bytes": total, "dtype": dtype, "files": files}
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+def _cast(tensor: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """--dtype applies to floating-point tensors; integer buffers (a custom model's counters) keep theirs."""
+    return (tensor.to(target) if tensor.is_floating_point() else tensor).contiguous()

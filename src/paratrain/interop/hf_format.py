@@ -34,6 +34,11 @@ def _same(name: str, source: str, shape: tuple[int, ...]) -> HFTensor:
     return HFTensor(name, (source,), shape, lambda t: t, lambda t: (t,))
 
 
+def renamed(name: str, source: str, shape: tuple[int, ...]) -> HFTensor:
+    """A tensor written as it is, under another name (a transformers model's own, or a custom model's)."""
+    return _same(name, source, shape)
+
+
 def _transposed(name: str, source: str, out_in: tuple[int, int]) -> HFTensor:
     """An nn.Linear weight (out, in) stored as HF Conv1D (in, out)."""
     return HFTensor(name, (source,), (out_in[1], out_in[0]), lambda t: t.t().contiguous(),

@@ -44,6 +44,25 @@ def model_fingerprint(model_args: dict) -> str:
     return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_source(model: str | None, custom=None) -> dict:
+    """What kind of model a checkpoint holds, so `export` picks its writer without guessing: a paratrain preset
+    (its args are the manifest's "model"), a transformers model (`hf:`: the config.json's path and its content,
+    so export still has the config if the directory is gone), or a user's own nn.Module (`custom`)."""
+    from paratrain.models.hf_files import hf_location, is_hf_model, read_hf_config
+
+    if custom is not None:
+        return {"kind": "custom", "name": custom.name}
+    if not is_hf_model(model):
+        return {"kind": "preset", "name": model}
+    source = {"kind": "hf", "spec": model}
+    try:
+        config_path, _ = hf_location(model)
+        source.update(config_path=str(config_path.resolve()), config=read_hf_config(model))
+    except UserError:  # the source moved while training: the save goes on, export says what is missing
+        pass
+    return source
+
+
 def _rng_state() -> dict:
     state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -274,6 +293,10 @@ def _manifest_problem(manifest, confined_name) -> str | None:
         return "'extra.data.step' is not a data position (an integer in 0..2**40)"
     if not isinstance(manifest.get("model", {}), dict):
         return "'model' is not a mapping"
+    source = manifest.get("model_source", {})
+    if not isinstance(source, dict) or not isinstance(source.get("kind", ""), str) or \
+            not isinstance(source.get("config", {}), dict) or not isinstance(source.get("config_path", ""), str):
+        return "'model_source' is not a mapping with a kind, a config path and a config"
     if not isinstance(manifest.get("run_id", ""), str | None):
         return "'run_id' is not a string"
     return None
