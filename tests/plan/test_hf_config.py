@@ -43,3 +43,16 @@ def test_bad_configs(tmp_path, doc):
     path.write_text(json.dumps(doc))
     with pytest.raises(UserError):
         load_hf_config(path)
+
+
+def test_train_and_plan_read_one_config_alike(tmp_path):
+    """One parser (models/hf_shape.py): the trainer's hf: args equal the planner's, with transformers' defaults
+    for what the file leaves out, and transformers 5's nested rope_parameters read."""
+    from paratrain.models.hf_shape import hf_model_args
+
+    doc = {k: v for k, v in LLAMA.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 250000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    trained, planned = hf_model_args(f"hf:{tmp_path}"), load_hf_config(tmp_path)
+    assert trained.norm_eps == planned.norm_eps == 1e-6 and trained.rope_theta == planned.rope_theta == 250000.0
+    assert (trained.dim, trained.n_layers, trained.kv_heads, trained.ffn_dim) == \
+        (planned.dim, planned.n_layers, planned.kv_heads, planned.ffn_dim)

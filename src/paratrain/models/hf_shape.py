@@ -12,6 +12,13 @@ from paratrain.models.args import ModelArgs
 from paratrain.models.hf_files import read_hf_config
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")  # qwen2: + q/k/v biases, a rounding error in the count
+LLAMA_NORM_EPS = 1e-6  # what transformers' Llama, Mistral and Qwen2 configs assume when rms_norm_eps is absent
+
+
+def _rope_theta(doc: dict) -> float:
+    """rope_theta at the top level (transformers 4) or inside rope_parameters (transformers 5)."""
+    nested = doc.get("rope_parameters") if isinstance(doc.get("rope_parameters"), dict) else {}
+    return float(doc.get("rope_theta") or nested.get("rope_theta") or 10000.0)
 
 
 def _need(doc: dict, key: str, where: str):
@@ -48,7 +55,7 @@ def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None 
                          dim=_need(doc, "hidden_size", where), n_layers=_need(doc, "num_hidden_layers", where),
                          n_heads=heads, n_kv_heads=int(kv), ffn_dim=_need(doc, "intermediate_size", where),
                          max_seq_len=max(positions, seq_len or 0),
-                         norm_eps=float(doc.get("rms_norm_eps", 1e-5)), rope_theta=float(doc.get("rope_theta", 10000.0)),
+                         norm_eps=float(doc.get("rms_norm_eps", LLAMA_NORM_EPS)), rope_theta=_rope_theta(doc),
                          tie_embeddings=bool(doc.get("tie_word_embeddings", False)))
         if args.dim % heads or heads % args.kv_heads:
             raise UserError(f"{where}: hidden_size {args.dim} / {heads} heads / {args.kv_heads} kv heads do not divide")
