@@ -24,6 +24,10 @@ APPROX_RUNS = {"ddp": {}, "fp16": {"ddp_comm_hook": "fp16"}, "powersgd": {"ddp_c
                "local_sgd": {"local_sgd_period": 4}}
 
 GPT2_TIED = ("ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "cp-ring")
+# a tied table on two pipeline stages: the first and last stage's copies summed (parallel/tied_weights.py)
+GPT2_TIED_PP = [{"id": "gpt2-pp-1f1b", "strategy": "pp", "pp_schedule": "1f1b", "microbatches": 2},
+                {"id": "gpt2-pp-interleaved", "strategy": "pp", "pp_schedule": "interleaved-1f1b",
+                 "virtual_stages": 2, "microbatches": 2, "n_layers": 4}]
 ZERO = [{"id": s, "strategy": s} for s in ("zero1", "zero2", "zero3")]
 # what each world size verifies, by id; the TP and CP cases run 3 steps, as `paratrain verify --steps 3` did
 VERIFY = {
@@ -33,12 +37,14 @@ VERIFY = {
         {"id": "cp-ring2", "strategy": "cp-ring", "steps": 3},
         {"id": "cp-ulysses2", "strategy": "cp-ulysses", "steps": 3},
         # GPT-2's tied embedding and frozen key bias under every strategy that can hold a tied table
-        *[{"id": f"gpt2-{s}", "strategy": s, "model": "gpt2-tiny", "steps": 3} for s in GPT2_TIED]],
+        *[{"id": f"gpt2-{s}", "strategy": s, "model": "gpt2-tiny", "steps": 3} for s in GPT2_TIED],
+        *[{**case, "model": "gpt2-tiny", "steps": 3} for case in GPT2_TIED_PP]],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},
         {"id": "tp4", "strategy": "tp", "model": "tiny-mha", "steps": 3},  # tiny's 2 kv heads do not split 4 ways
         {"id": "fsdp2xtp2", "strategy": "tp-sp", "dp_shard": 2, "tp": 2, "steps": 3},  # FSDP outer, TP+SP inner
+        {"id": "gpt2-fsdp2xtp-sp2", "strategy": "tp-sp", "dp_shard": 2, "tp": 2, "model": "gpt2-tiny", "steps": 3},
         {"id": "fsdp2xcp2", "strategy": "cp-ring", "dp_shard": 2, "cp": 2, "steps": 3}],
 }
 

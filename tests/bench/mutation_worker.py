@@ -27,6 +27,7 @@ RUNS = {
     "pp-drop-microbatch-grad": {"strategy": "pp", "pp_schedule": "1f1b", "microbatches": 2},
     "zero1-no-broadcast": {"strategy": "zero1"},
     "sp-norm-grad-no-reduce": {"strategy": "tp-sp"},
+    "tied-grad-not-summed": {"strategy": "pp", "pp_schedule": "1f1b", "microbatches": 2, "model": "gpt2-tiny"},
 }
 KEEP = ("passed", "checks", "first_divergence", "tolerance", "margins", "noise_floor", "floor_multiple", "dims",
         "max_loss_abs_diff", "max_loss_rel_diff", "max_grad_rel_diff", "max_grad_norm_rel_diff", "max_param_rel_diff",

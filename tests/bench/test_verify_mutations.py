@@ -95,6 +95,16 @@ def test_g_sequence_parallel_norm_grads_not_reduced(runs):
 
 
 @pytest.mark.timeout(420)
+def test_i_tied_embedding_copies_not_summed_between_pipeline_stages(runs):
+    where = caught(runs, "tied-grad-not-summed")
+    assert where["differs"] == "grads" and not where["loss_differs"], where
+    tied = [p for p in where["parameters"] if p["name"] == "tok_embeddings.tokens.weight"]
+    assert sorted(p["rank"] for p in tied) == [0, 1], where  # the table's copy on each end stage
+    # each copy holds only its own stage's part of the gradient: the two parts add up to the whole
+    assert abs(sum(p["grad_scale"] for p in tied) - 1.0) < 1e-3 and all(p["grad_scale"] < 0.9 for p in tied), where
+
+
+@pytest.mark.timeout(420)
 def test_bf16_tolerance_is_a_stated_multiple_of_the_measured_floor(runs):
     clean, bad = runs["bf16"]["clean"], runs["bf16"]["mutated"]
     floor, k, tol = clean["noise_floor"], clean["floor_multiple"], clean["tolerance"]

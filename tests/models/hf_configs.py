@@ -24,3 +24,16 @@ def write_config(root: Path, kind: str, **changes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**CONFIGS[kind], **changes}))
     return folder
+
+
+# Llama 3.2 1B/3B style: the head tied to the token table; 4 layers, so interleaved pp=2 x 2 stages per rank fits.
+# Apart from CONFIGS (whose every kind the other HF tests sweep): only test_hf_verify.py's tied runs use it
+TIED_LLAMA = "llama-tied"
+
+
+def write_tied_llama(root: Path) -> Path:
+    folder = Path(root) / TIED_LLAMA
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {**CONFIGS["llama"], "num_hidden_layers": 4, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(doc))
+    return folder

@@ -26,11 +26,19 @@ EVERY_STRATEGY = {
     "tp-sp": {"strategy": "tp-sp"}, "cp-ring": {"strategy": "cp-ring"}, "cp-ulysses": {"strategy": "cp-ulysses"},
     "dp_shard2xtp2": {"dp_shard": 2, "tp": 2},
     "pp-1f1b": {"strategy": "pp", "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+    "dp_shard2xtp-sp2": {"dp_shard": 2, "tp": 2, "sp": True},
+    "pp-interleaved": {"strategy": "pp", "pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2,
+                       "microbatches": 2},
 }
-RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY] + \
-       [(model, name) for model in ("mistral", "gpt2") for name in ("ddp", "zero3")]
-MUTATIONS = {"dp-grad-sum": "ddp", "fsdp-skip-update": "zero3", "tp-row-no-reduce": "tp",
-             "cp-rope-positions": "cp-ring"}
+# the tied head (a Llama 3.2-style config): one sharded table under tp-sp, two copies summed under pp
+TIED_RUNS = ("tp-sp", "dp_shard2xtp-sp2", "pp-1f1b", "pp-interleaved")
+TIED_ONLY = ("dp_shard2xtp-sp2", "pp-interleaved")  # the untied configs run their plain forms only
+RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY if name not in TIED_ONLY] + \
+       [(model, name) for model in ("mistral", "gpt2") for name in ("ddp", "zero3")] + \
+       [("llama-tied", name) for name in TIED_RUNS]
+MUTATIONS = {"dp-grad-sum": ("llama", "ddp"), "fsdp-skip-update": ("llama", "zero3"),
+             "tp-row-no-reduce": ("llama", "tp"), "cp-rope-positions": ("llama", "cp-ring"),
+             "tied-grad-not-summed": ("llama-tied", "pp-1f1b")}
 KEEP = ("passed", "checks", "first_divergence", "dims", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_rel_diff",
         "max_act_rel_diff", "compared")
 
@@ -53,7 +61,8 @@ def worker(root: str) -> dict | None:
     setup_logging(int(os.environ.get("RANK", "0")))
     rt = init_runtime("cpu", 90.0)
     out = {"clean": {f"{m}/{s}": one(rt, Path(root), m, s) for m, s in RUNS},
-           "mutated": {name: one(rt, Path(root), "llama", strategy, name) for name, strategy in MUTATIONS.items()}}
+           "mutated": {name: one(rt, Path(root), model, strategy, name)
+                       for name, (model, strategy) in MUTATIONS.items()}}
     shutdown()
     return out if rt.is_main else None
 

@@ -2,8 +2,9 @@
 
 One 4-rank launch (hf_verify_worker.py, gloo, CPU) verifies ddp, zero2, zero3, hsdp, tp, tp-sp, cp-ring, cp-ulysses
 dp_shard 2 x tp 2 and pp 2 (1f1b) x dp 2 on tiny random Llama and Qwen2 configs, ddp and zero3 on Mistral (grouped-query) and GPT-2
-(tied head), 2 steps each at fp32 tolerances (verify/compare.py). Then four planted bugs must be caught at
-step 1, named by the transformers parameter or module they touch.
+(tied head), and a tied Llama 3.2-style config under tp-sp, dp_shard 2 x tp-sp 2, pp 2 (1f1b and interleaved 1f1b) x
+dp 2, 2 steps each at fp32 tolerances (verify/compare.py). Then five planted bugs must be caught at step 1, named by
+the transformers parameter or module they touch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from helpers import cli_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the worker and the shared configs beside this file
 
-from hf_configs import CONFIGS, write_config  # noqa: E402
+from hf_configs import CONFIGS, write_config, write_tied_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     for kind in CONFIGS:
         write_config(root, kind)
+    write_tied_llama(root)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_verify_worker.py"), str(root)], capture_output=True,
                           text=True, timeout=400, env=cli_env({"PYTHONPATH": HERE}), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -47,6 +49,10 @@ def test_every_strategy_matches_one_device(runs):
     assert runs["clean"]["llama/dp_shard2xtp2"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert runs["clean"]["qwen2/cp-ulysses"]["dims"]["cp"] == 4
     assert runs["clean"]["llama/pp-1f1b"]["dims"]["pp"] == 2 and runs["clean"]["llama/pp-1f1b"]["compared"]["model_parts"] == 1
+    # the tied head: one sharded table under tp-sp (and FSDP over it), a summed copy on the last pipeline stage
+    tied = {name: runs["clean"][f"llama-tied/{name}"] for name in ("tp-sp", "dp_shard2xtp-sp2", "pp-interleaved")}
+    assert tied["tp-sp"]["dims"]["tp"] == 4 and tied["dp_shard2xtp-sp2"]["dims"]["dp_shard"] == 2
+    assert tied["pp-interleaved"]["dims"]["pp"] == 2 and tied["pp-interleaved"]["compared"]["model_parts"] == 2
 
 
 @pytest.mark.timeout(420)
@@ -60,3 +66,7 @@ def test_planted_bugs_are_caught_in_a_transformers_model(runs):
     assert where["fsdp-skip-update"]["parameters"][0]["name"] == "hf.model.layers.0.mlp.gate_proj.weight"
     assert where["tp-row-no-reduce"]["module"] == "hf.model.layers.1.mlp"
     assert where["cp-rope-positions"]["module"] == "hf.model.layers.0.self_attn"
+    # the tied copies' gradients not summed: each end stage holds only its own part of the table's gradient
+    unsummed = where["tied-grad-not-summed"]
+    assert unsummed["differs"] == "grads" and not unsummed["loss_differs"], unsummed
+    assert unsummed["parameters"][0]["name"] == "hf.model.embed_tokens.weight", unsummed

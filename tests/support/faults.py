@@ -1,6 +1,7 @@
 """Planted bugs, attached through paratrain's hooks: each makes the parallel run compute something known to be
 wrong, so tests can show that `paratrain verify` catches it and names where it is
-(tests/bench/test_verify_mutations.py, tests/parallel/test_uneven.py, tests/models/test_hf_verify.py).
+(tests/bench/test_verify_mutations.py, tests/parallel/test_uneven.py, tests/models/test_hf_verify.py,
+tests/parallel/test_tied_embeddings.py).
 
     with planted("dp-grad-sum"):              # in-process, on this process's default registry
         verify_in_group(cfg, rt)
@@ -34,6 +35,8 @@ MUTATIONS = {
     "zero1-no-broadcast": "(f) ZeRO-1 never broadcasts rank 1's updated parameter shard back",
     "sp-norm-grad-no-reduce": "(g) sequence-parallel norm weights keep their partial, unreduced gradients",
     "dp-split-unweighted": "(h) under --dp-batch-split every rank's loss is weighted alike, not by its tokens",
+    "tied-grad-not-summed": "(i) the first and last pipeline stages' copies of a tied embedding keep their own "
+                            "gradients: the all-reduce that sums them is dropped",
 }
 
 
@@ -218,6 +221,18 @@ def _plant_dp_split_unweighted(hooks: Hooks) -> list:
     return [hooks.loss_weight(loss_weight)]
 
 
+# (i) a tied embedding under pp: the end stages' gradient sum, dropped at the collective ----------------------------
+def _plant_tied_grad_not_summed(hooks: Hooks) -> list:
+    from paratrain.parallel.tied_weights import PURPOSE
+
+    def on_collective(call, proceed):
+        if call.purpose == PURPOSE:
+            return None  # each copy keeps its own stage's part of the gradient
+        return proceed()
+
+    return [hooks.on_collective(on_collective)]
+
+
 PLANTERS = {
     "dp-grad-sum": _plant_dp_grad_sum,
     "fsdp-skip-update": _plant_fsdp_skip_update,
@@ -227,4 +242,5 @@ PLANTERS = {
     "zero1-no-broadcast": _plant_zero1_no_broadcast,
     "sp-norm-grad-no-reduce": _plant_sp_norm_grad_no_reduce,
     "dp-split-unweighted": _plant_dp_split_unweighted,
+    "tied-grad-not-summed": _plant_tied_grad_not_summed,
 }

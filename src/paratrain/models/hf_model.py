@@ -129,9 +129,3 @@ def check_hf_run(layout, cfg, args) -> None:
                                          "base_model_tp_plan", None):
         raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
                         "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
-    if args.tie_embeddings and layout.tp_enabled and layout.sp:
-        raise UserError(f"{kind} ties its head to the token table: tp-sp is not supported for a tied Hugging Face "
-                        "model yet; use tp")
-    if args.tie_embeddings and layout.pp_enabled:
-        raise UserError(f"{kind} ties its head to the token table, which would sit on two pipeline stages; untie it "
-                        "(tie_word_embeddings: false) or use another strategy")

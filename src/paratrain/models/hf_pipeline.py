@@ -3,7 +3,8 @@ so parallel/pipeline_split.py can cut it into stages like a preset.
 
 The cut follows the model's `base_model_pp_plan` (embed_tokens -> layers -> norm, then the head). A stage runs
 its part of the base model's forward: the lookup on the first stage, then its decoder layers, each given the
-rotary tables of the whole sequence and no mask (causal attention), then norm and head on the last stage.
+rotary tables of the whole sequence and no mask (causal attention), then norm and head on the last stage. A
+tied head is cut like a preset's: the last stage holds a copy of the table (parallel/tied_weights.py).
 Verify compares this against the unwrapped model's own forward, so a base model doing more than its pp plan says
 (an embedding scale, learned positions) shows up as a mismatch instead of passing silently.
 """
@@ -58,9 +59,6 @@ def pipeline_view(model: nn.Module, args: ModelArgs) -> HFStages:
     if base is None or list(plan)[:3] != list(NEEDED) or rotary is None:
         raise UserError(f"pipeline parallelism needs a transformers model whose pp plan is embed_tokens -> layers -> "
                         f"norm with rotary positions; {type(hf).__name__} has {list(plan) or 'none'}")
-    if model.tied:
-        raise UserError(f"{type(hf).__name__} ties its head to the token table, which would sit on two pipeline "
-                        "stages; untie it (tie_word_embeddings: false) or use another strategy")
     prefix = hf.base_model_prefix
     names = {"tok_embeddings": f"hf.{prefix}.embed_tokens", "layers": f"hf.{prefix}.layers",
              "norm": f"hf.{prefix}.norm", "output": "hf.lm_head"}
@@ -74,7 +72,9 @@ def pipeline_view(model: nn.Module, args: ModelArgs) -> HFStages:
 
 
 def hf_name(part: nn.Module, name: str) -> str:
-    """A stage's parameter or module name as the unwrapped transformers model names it."""
+    """A stage's parameter or module name as the whole, unwrapped model names it: a transformers model's own
+    name, and for a last stage's copy of a tied table (parallel/pipeline_split.py: `tied_names`) the table's."""
+    name = getattr(part, "tied_names", {}).get(name, name)
     prefixes = getattr(part, "hf_prefixes", None)
     if not prefixes:
         return name

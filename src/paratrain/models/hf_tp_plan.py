@@ -104,9 +104,6 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
     named = {id(m): n for n, m in model.named_modules()}
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
-    if tied and sp:
-        raise UserError(f"{type(hf).__name__} ties its head to the token table: tp-sp is not supported for a tied "
-                        "Hugging Face model yet; use tp")
     stream = Shard(1) if sp else Replicate()
     table = VocabParallelEmbedding if tied else RowwiseParallel
     plan[named[id(embedding)]] = table(input_layouts=Replicate(), output_layouts=stream, use_local_output=not sp)

@@ -38,7 +38,8 @@ class VocabParallelEmbedding(RowwiseParallel):
     Replicate (full size) while the head's arrives Shard(0), and autograd's in-place accumulation of a Shard(0)
     gradient into a Replicate one gives wrong values (torch 2.13). Looking up through `weight.to_local()` makes
     the gradient come back Shard(0) too, so both land on the one shard. The output is the all-reduced (or, with
-    `output_layouts=Shard(1)`, reduce-scattered) sum of the ranks' masked lookups, handed on as a local tensor.
+    `output_layouts=Shard(1)`, reduce-scattered) sum of the ranks' masked lookups, handed on as a local tensor, or
+    with `use_local_output=False` as a DTensor (a sequence-parallel residual stream that must keep global shapes).
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -54,7 +55,8 @@ class VocabParallelEmbedding(RowwiseParallel):
             outside = (shifted < 0) | (shifted >= local.shape[0])
             rows = F.embedding(shifted.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
             summed = DTensor.from_local(rows, device_mesh, [Partial()], run_check=False)
-            return summed.redistribute(device_mesh, [out_layout]).to_local()
+            out = summed.redistribute(device_mesh, [out_layout])
+            return out.to_local() if self.use_local_output else out
 
         module.forward = lookup
         return module

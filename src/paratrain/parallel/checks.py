@@ -35,17 +35,14 @@ def check_tp(args, layout: Layout, seq_len: int | None = None) -> None:
 
 
 def check_pp(args, layout: Layout, seq_len: int | None = None) -> None:
-    """pp > 1: enough layers for the stages, a schedule that runs this layout, no tied embedding."""
+    """pp > 1: enough layers for the stages and a schedule that runs this layout. (A tied embedding is held by
+    the first and last stage, its gradients summed between them: parallel/tied_weights.py.)"""
     if args.n_layers < layout.pp * layout.virtual_stages:
         raise UserError(f"pp={layout.pp} x {layout.virtual_stages} stage(s) per rank = "
                         f"{layout.pp * layout.virtual_stages} stages but the model has only {args.n_layers} layers")
     if layout.pp_layers:
         stage_layer_counts(":".join(map(str, layout.pp_layers)), layout.pp * layout.virtual_stages, args.n_layers)
     check_pipeline(layout)
-    if getattr(args, "tie_embeddings", False):
-        raise UserError(f"pp={layout.pp} cannot hold {args.name}'s tied embedding: the first stage's token table "
-                        "and the last stage's head would need a gradient all-reduce between stages, which paratrain "
-                        "does not do; use another strategy or an untied model")
 
 
 def check_uneven_dp(layout: Layout, global_batch: int) -> None:

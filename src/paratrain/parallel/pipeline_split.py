@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.parallel.tied_weights import tied_table_name, untied_head
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ def carve_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
 
     The shell is built on the meta device (free), then takes the real modules from `model`, so the
     parameters are shared with `model`, never copied. Absent parts are None, which Transformer skips.
+    One exception: a last stage without the embedding whose head is tied to the token table gets a head of its
+    own holding a copy of the table (parallel/tied_weights.py keeps the two in step); its `tied_names` say that
+    the copy is the whole model's table, so verify and export name it as the unsplit model does.
     """
     with torch.device("meta"):
         part = type(model)(model.args)
@@ -119,4 +123,8 @@ def carve_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
     part.layers = nn.ModuleDict({name: model.layers[name] for name in spec.layers})
     part.norm = model.norm if spec.last else None
     part.output = model.output if spec.last else None
+    table = tied_table_name(model)
+    if table is not None and spec.last and not spec.first:
+        part.output = untied_head(model.output)
+        part.tied_names = {"output.weight": f"tok_embeddings.{table}"}
     return part

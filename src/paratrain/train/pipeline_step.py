@@ -23,6 +23,7 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import PP_SCHEDULES
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
+from paratrain.parallel.tied_weights import TiedGradSum, end_stage_groups, mark_copy, tied_table_name
 from paratrain.train.data import Batch
 from paratrain.train.optim import build_optimizer
 from paratrain.train.step import autocast_context, lm_loss
@@ -96,8 +97,9 @@ class PipelineStep:
     A StepRunner (train/step_runner.py)."""
 
     def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], layout: Layout,
-                 device: torch.device, last_pp_rank: int):
+                 device: torch.device, last_pp_rank: int, tied_grad_sum=None):
         self.schedule, self.stages, self.model_parts = schedule, stages, parts
+        self.tied_grad_sum = tied_grad_sum  # a tied embedding: the end stages' copies summed after backward
         self.layout, self.device, self.microbatches = layout, device, layout.microbatches
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -132,6 +134,8 @@ class PipelineStep:
         self.last_timing = {"busy_s": busy, "total_s": total, "idle_s": total - busy,
                             "idle_fraction": (total - busy) / total if total > 0 else 0.0,
                             "microbatches": self.microbatches}
+        if self.tied_grad_sum is not None:
+            self.tied_grad_sum()
         if self.has_last:
             # the first step also runs loss_fn once on dummy data to infer backward shapes: keep the last M
             return torch.stack(self._losses[-self.microbatches:]).mean()
@@ -192,19 +196,27 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
 
     tp_plan_for(stage_module) gives each stage's TP plan when tp > 1 (the model family's, from the caller).
     fp16 (loss scaling) never reaches here: check_layout rejects it for pipelines. --pp-layers fixes the
-    blocks per stage. `hooks` (train/hooks.py): after_parallelize sees each stage's module, on_pipeline_stage
-    each PipelineStage before the busy clock wraps it (so what a hook adds to a chunk counts as busy).
+    blocks per stage. A tied embedding: the first and last stages each hold a copy, their gradients summed after
+    each schedule step (parallel/tied_weights.py). `hooks` (train/hooks.py): after_parallelize sees each stage's
+    module, on_pipeline_stage each PipelineStage before the busy clock wraps it (so what a hook adds to a chunk
+    counts as busy).
     """
     specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_layers)
     ranks = stage_ranks(layout.pp, len(specs))
     pp_mesh = layout.submesh("pp")
     pp_rank = pp_mesh.get_local_rank()
-    stages, parts = [], []
+    table = tied_table_name(model)  # a tied embedding: copies on the first and last stage (parallel/tied_weights.py)
+    stages, parts, tied_copy = [], [], None
     for spec in specs:
         if ranks[spec.index] != pp_rank:
             continue
-        part = carve_stage(model, spec)
-        part = parallelize(part, layout, tp_plan_for(part) if layout.tp_enabled else None)
+        carved = carve_stage(model, spec)
+        part = parallelize(carved, layout, tp_plan_for(carved) if layout.tp_enabled else None)
+        if table is not None and spec.first:
+            tied_copy = carved.get_parameter(f"tok_embeddings.{table}")  # after parallelize: the sharded one
+        elif table is not None and spec.last:
+            tied_copy = carved.output.weight
+            mark_copy(tied_copy)
         if hooks is not None:
             hooks.fire("after_parallelize", part, layout)
         if layout.dtype != "fp32":
@@ -217,7 +229,10 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
         if hooks is not None:
             hooks.fire("on_pipeline_stage", stage, spec)
         stages.append(stage)
-    step = PipelineStep(None, stages, parts, layout, device, ranks[-1])
+    tied_sum = None
+    if table is not None:
+        tied_sum = TiedGradSum(tied_copy, end_stage_groups(layout.mesh, "pp", device.type))
+    step = PipelineStep(None, stages, parts, layout, device, ranks[-1], tied_sum)
     cls = SCHEDULES[layout.pp_schedule]
     stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
     step.schedule = cls(stage_arg, layout.microbatches, loss_fn=step.loss_fn, scale_grads=True)

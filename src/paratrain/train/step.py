@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.collective_hooks import collective
+from paratrain.parallel.tied_weights import is_tied_copy
 from paratrain.train.data import Batch
 from paratrain.train.step_runner import run_after_optimizer_step
 
@@ -132,10 +133,13 @@ class PlainStep:
 
 
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Global L2 norm of all gradients (across DTensor shards and pipeline stages); clip if max_norm > 0."""
+    """Global L2 norm of all gradients (across DTensor shards and pipeline stages); clip if max_norm > 0.
+    A tied embedding's second copy (the last pipeline stage's head: parallel/tied_weights.py) holds the same
+    gradient as the first stage's table and is left out of the norm, so the shared weight counts once."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    counted = [p.grad for p in parameters if p.grad is not None and not is_tied_copy(p)]
+    if counted:
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
     else:
         norm = torch.zeros(())
     if hasattr(norm, "full_tensor"):
