@@ -1,6 +1,6 @@
 """The planner against published, measured training runs of large models.
 
-    python benchmarks/planner_published.py [--cases ID,ID] [--json]
+    python benchmarks/planner_published.py [--cases ID,ID] [--json] [--write-error-bars]
 
 Each case of benchmarks/published_runs.json (source, model shape, GPU type and count, layout, batch, precision,
 recompute, compile) is predicted with every choice fixed, on the catalog entry of its GPU type (datasheet peaks
@@ -19,6 +19,14 @@ choice for the fixed layout, as `paratrain plan` answers when the micro-batch is
 is priced and the fastest is kept (the same rule for every such case; the others are printed with it). Memory does
 not filter that choice: the memory model prices paratrain's runtime, which is not what those runs used (see the
 memory error per framework), and a published run fitted its GPUs by construction.
+
+Error bars (plan/error_bars.py): each case belongs to a layout family (FSDP, DDP/ZeRO-1, tensor-parallel,
+pipeline, ...). Printed per case: its error against the mean |error| of the other cases of its family (leave-one-out,
+`bar`; a family with fewer than 3 other cases is pooled), and per family the bar `paratrain plan` shows.
+`--write-error-bars` writes those bars to src/paratrain/plan/error_bars.json with a hash of this file's inputs
+(the case list and the cost-model sources): tests/plan/test_error_bars.py fails when they change and the file
+was not rewritten. `plan` column: what `paratrain plan` answers with every choice of the case fixed (`ok`: a
+runnable candidate; `unsupported`: priced and marked runtime_unsupported).
 
 A published TFLOP/s per GPU is turned into a step time with the source's own FLOP count per iteration:
   megatron:      72 B s L h^2 (1 + s/(6h) + V/(12 L h))   (Megatron-LM `num_floating_point_operations`)
@@ -89,6 +97,31 @@ def case_job(case: dict, micro_batch: int | None = None):
     return job, hw, layout
 
 
+def fixed_choices(case: dict) -> dict:
+    """The case's layout as `paratrain plan` flags would fix it (the micro-batch left open where unpublished)."""
+    lay = case["layout"]
+    return {**{k: lay[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}, "sp": lay["sp"],
+            "zero_stage": lay["zero_stage"], "micro_batch": case["micro_batch"], "ac": case["recompute"],
+            "pp_schedule": lay["pp_schedule"] if lay["pp"] > 1 else None,
+            "virtual_stages": lay["virtual_stages"] if lay["pp"] > 1 else None, "cp_impl": None}
+
+
+def planner_answer(case: dict) -> str:
+    """What `plan` answers for the case with every choice fixed: 'ok', 'unsupported' (priced and marked
+    runtime_unsupported), 'over memory' (priced, does not fit) or 'none: why'."""
+    from paratrain.plan.search import search_all
+
+    job, hw, _ = case_job(case)
+    found = search_all(job, hw, fixed_choices(case))
+    if found.feasible:
+        return "ok"
+    if found.unsupported:
+        return "unsupported"
+    if found.infeasible:
+        return "over memory"
+    return "none: " + "; ".join(found.refusals)
+
+
 def micro_batch_choices(case: dict) -> list[int]:
     """The published micro-batch, or (`micro_batch: null`, not in the source) every one the planner would try
     for the case's layout (search.micro_batch_options: divisors of the local batch; 1F1B keeps m >= pp)."""
@@ -119,13 +152,15 @@ def evaluate_case(case: dict):
 
 def predict(case: dict) -> dict:
     from paratrain.plan.costing.memory import GIB
+    from paratrain.plan.error_bars import layout_family
 
     t0 = time.perf_counter()
     cand, by_micro_batch = evaluate_case(case)
     pub_step = published_step_time(case)
     tokens_per_gpu = case["global_batch"] * case["model"]["seq_len"] / case["gpus"]
     row = {"id": case["id"] + ("*" if case.get("runtime_unsupported") else ""), "gpu": case["gpu"], "gpus": case["gpus"],
-           "kind": case["kind"], "framework": case.get("framework", "?"),
+           "kind": case["kind"], "framework": case.get("framework", "?"), "family": layout_family(cand.layout),
+           "plan_answer": planner_answer(case),
            "predicted_step_s": cand.time.step_s, "published_step_s": pub_step,
            "step_error": cand.time.step_s / pub_step - 1,
            "predicted_tokens_per_s_per_gpu": tokens_per_gpu / cand.time.step_s,
@@ -151,10 +186,41 @@ def memory_by_framework(rows: list[dict]) -> dict[str, float]:
     return {k: statistics.mean(v) for k, v in sorted(out.items())}
 
 
+def write_error_bars(rows: list[dict], out) -> dict:
+    """Leave-one-out bars per case, the bars `plan` shows per family; written to plan/error_bars.json."""
+    from paratrain.plan.error_bars import BARS_FILE, compute_bars, inputs_digest
+
+    doc = compute_bars({r["id"].rstrip("*"): (r["family"], r["step_error"]) for r in rows})
+    doc["inputs_sha256"] = inputs_digest(RUNS)
+    doc["frozen_cases"] = json.loads(RUNS.read_text())["frozen_before_tuning"]["ids"]
+    BARS_FILE.write_text(json.dumps(doc, indent=1) + "\n")
+    out.write(f"wrote {BARS_FILE}\n")
+    return doc
+
+
+def print_bars(rows: list[dict], out) -> None:
+    from paratrain.plan.error_bars import compute_bars
+
+    doc = compute_bars({r["id"].rstrip("*"): (r["family"], r["step_error"]) for r in rows})
+    out.write("leave-one-out: each case's |error| against its family's bar without it: "
+              f"{doc['leave_one_out_within_bar']} within\n")
+    for r in rows:
+        c = doc["cases"][r["id"].rstrip("*")]
+        bar = c["leave_one_out"]
+        out.write(f"  {r['id']:<46} {r['family']:<16} err {r['step_error']:>+7.1%}  bar ±{bar['step_time_rel']:.1%} "
+                  f"on {bar['cases']} other {bar['family']} runs  {'ok' if abs(r['step_error']) <= bar['step_time_rel'] else 'OUTSIDE'}\n")
+    out.write("bars `paratrain plan` shows (mean |step error| of the family's runs):\n")
+    for fam, bar in doc["families"].items():
+        via = "" if bar["family"] == fam else f" (pooled: {bar['family']})"
+        out.write(f"  {fam:<17} ±{bar['step_time_rel']:.1%} on {bar['cases']} runs{via}\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", help="comma-separated case ids (default: all)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    parser.add_argument("--write-error-bars", action="store_true",
+                        help="write src/paratrain/plan/error_bars.json (every case must be run)")
     opts = parser.parse_args()
     cases = json.loads(RUNS.read_text())["cases"]
     if opts.cases:
@@ -164,9 +230,12 @@ def main() -> int:
             sys.stderr.write(f"unknown case(s): {', '.join(sorted(unknown))}\n")
             return 2
         cases = [c for c in cases if c["id"] in wanted]
+    if opts.write_error_bars and opts.cases:
+        sys.stderr.write("--write-error-bars needs every case (drop --cases)\n")
+        return 2
     out = sys.stderr if opts.json else sys.stdout
     out.write(f"{'case':<46} {'gpu':<9} {'GPUs':>5} {'layout':<11} {'mb':>3} {'pred s':>8} {'pub s':>8} {'err':>7} "
-              f"{'pred tok/s/GPU':>14} {'pub':>8} {'mem pred':>8} {'pub':>6} {'err':>6}\n")
+              f"{'pred tok/s/GPU':>14} {'pub':>8} {'mem pred':>8} {'pub':>6} {'err':>6}  plan\n")
     rows = []
     for case in cases:
         r = predict(case)
@@ -176,7 +245,7 @@ def main() -> int:
         mb = f"{r['micro_batch']}{'~' if r['micro_batch_searched'] else ''}"
         out.write(f"{r['id']:<46} {r['gpu']:<9} {r['gpus']:>5} {r['kind']:<11} {mb:>3} {r['predicted_step_s']:>8.3g} "
                   f"{r['published_step_s']:>8.3g} {r['step_error']:>+7.1%} {r['predicted_tokens_per_s_per_gpu']:>14.4g} "
-                  f"{r['published_tokens_per_s_per_gpu']:>8.4g} {r['predicted_memory_gib']:>8.1f} {mem}\n")
+                  f"{r['published_tokens_per_s_per_gpu']:>8.4g} {r['predicted_memory_gib']:>8.1f} {mem}  {r['plan_answer']}\n")
         out.flush()
     errors = [abs(r["step_error"]) for r in rows]
     mem_errors = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
@@ -200,6 +269,9 @@ def main() -> int:
                       + "\n")
     if any(r["id"].endswith("*") for r in rows):
         out.write("* a published scheme paratrain's runtime cannot run (the case's runtime_unsupported says why), priced as run\n")
+    print_bars(rows, out)
+    if opts.write_error_bars:
+        write_error_bars(rows, out)
     if opts.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
     return 0

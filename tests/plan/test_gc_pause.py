@@ -17,7 +17,7 @@ def test_plan_document_searches_with_the_collector_paused_and_restores_it(monkey
         seen.append(gc.isenabled())
         raise RuntimeError("stop after the search")
 
-    monkeypatch.setattr(plan_report, "search", fake_search)
+    monkeypatch.setattr(plan_report, "search_all", fake_search)
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="stop after the search"):
         plan_report.plan_document(None, None, {})

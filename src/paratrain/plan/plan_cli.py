@@ -11,6 +11,7 @@ from paratrain.errors import UserError
 from paratrain.gpu_catalog import custom_gpu, get_gpu
 from paratrain.parallel.dims import mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES
+from paratrain.plan.error_bars import describe
 from paratrain.plan.inputs.cluster import Cluster, reference_profile, resolve_cluster
 from paratrain.plan.inputs.hardware import (
     HardwareProfile,
@@ -20,6 +21,7 @@ from paratrain.plan.inputs.hardware import (
 )
 from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job
+from paratrain.train.counts import readable_count
 
 log = logging.getLogger("paratrain")
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -152,17 +154,30 @@ def _short(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def format_error_bars(candidates: list[dict]) -> list[str]:
+    """What the ± column means, once per layout family shown."""
+    bars = {}
+    for cand in candidates:
+        bar = cand.get("error_bar")
+        if bar and cand["step_time_s"]:
+            bars.setdefault(bar.get("layout_family", bar["family"]), bar)
+    if not bars:
+        return []
+    return ["  ±: the planner's mean step-time error on published runs of the layout's kind (docs/planner.md): "
+            + "; ".join(f"{fam} {describe(bar)}" for fam, bar in bars.items())]
+
+
 def format_plan(doc: dict) -> str:
     """The human view (stderr): one line per candidate, then the first candidate's reasons."""
     c = doc["cluster"]
-    lines = [f"plan: {doc['model']['name']} ({doc['model']['params'] / 1e9:.2f} B params) on {c['gpus']} x {c['gpu']} "
+    lines = [f"plan: {doc['model']['name']} ({readable_count(doc['model']['params'])} params) on {c['gpus']} x {c['gpu']} "
              f"({c['nodes']} node(s) x {c['gpus_per_node']}), seq {doc['job']['seq_len']}, global batch "
              f"{doc['job']['global_batch']}, {doc['job']['dtype']}",
              f"  hardware: {c['profile']}", f"  cluster: {c['assumptions']}"]
     if not doc["fits"]:
         lines.append("  " + doc["message"])
     header = (f"  {'#':>2} {'strategy':<10} {'dims':<30} {'mb x n':>7} {'ac':<9} {'mem GiB':>7} "
-              f"{'= par':>6} {'grad':>5} {'opt':>5} {'act':>5} {'oth':>5} {'step s':>8} {'= comp':>7} {'tp':>6} "
+              f"{'= par':>6} {'grad':>5} {'opt':>5} {'act':>5} {'oth':>5} {'step s':>8} {'±':>4} {'= comp':>7} {'tp':>6} "
               f"{'cp':>6} {'dp':>6} {'pp':>6} {'bubble':>6} {'tok/s/dev':>9} {'MFU':>6}  fits")
     lines.append(header)
     for i, cand in enumerate(doc["candidates"]):
@@ -180,16 +195,27 @@ def format_plan(doc: dict) -> str:
         step = f"{cand['step_time_s']:.3g}" if cand["step_time_s"] else "-"
         tps = f"{cand['tokens_per_s_per_device']:.4g}" if cand["tokens_per_s_per_device"] else "-"
         mfu = f"{cand['mfu']:.1%}" if cand.get("mfu") is not None else "-"
+        bar = (cand.get("error_bar") or {}).get("step_time_rel")
+        pm = f"{bar:.0%}" if bar is not None and cand["step_time_s"] else "-"
+        fits = ("yes" if cand["feasible"] else "no") + (" (runtime_unsupported)" if cand.get("runtime_unsupported") else "")
         lines.append(f"  {i:>2} {cand['strategy']:<10} {dims:<30} {cand['micro_batch']:>3}x{cand['microbatches']:<3} "
-                     f"{cand['activation_checkpointing']:<9} {mem.get('total', math.nan):>7.2f} {parts} {step:>8} "
-                     f"{_short(t.get('compute')):>7} {times} {tps:>9} {mfu:>6}  {'yes' if cand['feasible'] else 'no'}")
+                     f"{cand['activation_checkpointing']:<9} {mem.get('total', math.nan):>7.2f} {parts} {step:>8} {pm:>4} "
+                     f"{_short(t.get('compute')):>7} {times} {tps:>9} {mfu:>6}  {fits}")
     lines.append("  memory: params / grads / optimizer / activations / other at the peak; time: compute, then the "
                  "exposed TP, CP, DP and pipeline communication and the bubble, in seconds per step")
+    lines += format_error_bars(doc["candidates"])
+    rules = dict.fromkeys(c["runtime_unsupported"] for c in doc["candidates"] if c.get("runtime_unsupported"))
+    lines += [f"  runtime_unsupported: priced, but paratrain's runtime refuses it: {r}" for r in rules]
     if doc["candidates"]:
         first = doc["candidates"][0]
         lines.append("  why #0:" if doc["fits"] else "  closest (#0):")
+        if first["step_time_s"]:
+            lines.append(f"    - step {first['step_time_s']:.3g} s ({describe(first.get('error_bar'))})")
         lines += [f"    - {r}" for r in first["reasons"]]
         if first.get("per_device"):
             lines += format_devices(first)
-        lines.append(f"  run it: {first['command']}")
+        if first.get("runtime_unsupported"):
+            lines.append(f"  would run as (paratrain's runtime refuses it today): {first['command']}")
+        else:
+            lines.append(f"  run it: {first['command']}")
     return "\n".join(lines) + "\n"

@@ -9,13 +9,14 @@ from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import train_args
 from paratrain.plan.costing.memory import GIB
+from paratrain.plan.error_bars import error_bar
 from paratrain.plan.gc_pause import gc_paused
 from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.search import (
     Candidate,
     Job,
     model_states_floor,
-    search,
+    search_all,
     smallest_gpu_count,
     with_time,
 )
@@ -104,6 +105,8 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
         "command": "paratrain train " + " ".join([*job.model_flags(),
                                                   *train_args(lay, job.seq_len, job.global_batch)]),
         "dp_batch_split": None, "pp_layers": None,
+        "runtime_unsupported": cand.runtime_unsupported,
+        "error_bar": error_bar(lay),
     }
     if mixed is not None:
         step = mixed.chosen.step_s
@@ -141,11 +144,16 @@ def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exh
 def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaustive: bool, cluster) -> dict:
     from paratrain.models.presets import count_params
 
-    feasible, infeasible, examined = search(job, hw, fixed, exhaustive)
+    found = search_all(job, hw, fixed, exhaustive)
+    # only a layout the runtime runs is ever recommended: refused ones come after, and only when none runs
+    feasible = [c for c in found.feasible if c.runtime_unsupported is None]
+    infeasible, examined = found.infeasible, found.examined
     mixed = {}
     if cluster is not None:
         feasible, mixed = rank_on_cluster(job, cluster, feasible, top)
     doc_candidates = [candidate_doc(job, hw, c, mixed.get(id(c)), cluster) for c in feasible[:top]]
+    unsupported = [] if feasible else [c for c in found.feasible + found.unsupported if c.runtime_unsupported][:top]
+    doc_candidates += [candidate_doc(job, hw, c) for c in unsupported]
     listed = infeasible[:max(0, top - len(doc_candidates)) or 3]
     for cand in listed:  # layouts that do not fit still say how fast they would run
         try:
@@ -183,9 +191,42 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
                               search_profile=f"{hw.gpu.name} at the slowest device's speed, {hw.gpu.mem_gib:g} GiB "
                                              "(the smallest memory in the cluster)")
     if not feasible:
-        found = smallest_gpu_count(job, hw, fixed)
-        doc["smallest_gpus_that_fit"] = found[0] if found else None
-        doc["message"] = (f"{job.model_name} fits nowhere on {job.gpus} x {gpu.name}: "
-                          + (f"the smallest GPU count that fits is {found[0]} ({found[1].layout.label()}, "
-                             f"{_gib(found[1].memory.total)} per GPU)" if found else "no GPU count up to 65536 fits"))
+        doc.update(why_no_fit(job, hw, fixed, found, unsupported, listed))
     return doc
+
+
+def why_no_fit(job: Job, hw: HardwareProfile, fixed: dict, found, unsupported: list[Candidate],
+               listed: list[Candidate]) -> dict:
+    """The message when no layout the runtime runs fits: a runtime rule (the layouts it refuses are priced
+    above), memory (the closest layout's memory by part, and the smallest GPU count that fits), or the
+    model's shape (nothing could be priced: why)."""
+    where = f"{job.gpus} x {hw.gpu.name}"
+    if unsupported:
+        rule = unsupported[0].runtime_unsupported
+        return {"no_fit_reason": "runtime_unsupported", "runtime_unsupported": rule,
+                "message": f"{job.model_name}: no layout paratrain's runtime can run fits on {where}; the ones that "
+                           f"fit are priced below, marked runtime_unsupported: {rule}"}
+    if listed:
+        closest = listed[0]
+        small = smallest_gpu_count(job, hw, fixed)
+        more = (f"the smallest GPU count that fits is {small[0]} ({small[1].layout.label()}, "
+                f"{_gib(small[1].memory.total)} per GPU)" if small else "no GPU count up to 65536 fits")
+        rule = f" (and the runtime refuses it: {closest.runtime_unsupported})" if closest.runtime_unsupported else ""
+        return {"no_fit_reason": "memory", "smallest_gpus_that_fit": small[0] if small else None,
+                "message": f"{job.model_name} fits nowhere on {where}: memory; the closest, {closest.layout.label()}"
+                           f"{rule}, needs {memory_by_part(closest)} of {_gib(usable_bytes(job, hw))} usable; {more}"}
+    why = "; ".join(found.refusals) or "no layout of the fixed choices exists"
+    return {"no_fit_reason": "shape", "smallest_gpus_that_fit": None,
+            "message": f"{job.model_name} has no layout on {where} that can be priced: {why}"}
+
+
+def usable_bytes(job: Job, hw: HardwareProfile) -> float:
+    return hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
+
+
+def memory_by_part(cand: Candidate) -> str:
+    m = cand.memory
+    parts = ", ".join(f"{name} {_gib(v)}" for name, v in (("params", m.params), ("grads", m.grads),
+                                                          ("optimizer", m.optimizer),
+                                                          ("activations", m.activations), ("other", m.other)) if v)
+    return f"{_gib(m.total)} per GPU ({parts})"

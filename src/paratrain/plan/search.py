@@ -4,11 +4,14 @@ Degrees, ZeRO stage, SP, CP flavour, pipeline schedule, micro-batch size and act
 searched unless the user fixed them. Traces are shared: the data-parallel flavour and the pipeline schedule
 do not change what one rank's model does, so they cost no new trace. Per layout, activation checkpointing
 is tried from none to full and the micro-batch grows while it fits; the fastest setting that fits is kept.
+
+The planner always answers: when nothing the runtime can run fits, the layouts the runtime refuses (a rule of
+the runtime, not of the model's shape) are priced too and marked `runtime_unsupported` with that rule; they
+are never among search()'s feasible list, which `train --strategy auto` takes.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -27,6 +30,7 @@ from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
 from paratrain.plan.inputs.hardware import HardwareProfile
+from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 
@@ -73,6 +77,16 @@ class Candidate:
     reasons: list[str] = field(default_factory=list)
     tokens_per_s_per_device: float = 0.0
     mfu: float | None = None
+    runtime_unsupported: str | None = None  # the runtime rule that refuses this layout (priced all the same)
+
+
+@dataclass
+class SearchResult:
+    feasible: list[Candidate]  # runnable and fitting, fastest first
+    unsupported: list[Candidate]  # fitting but refused by a runtime rule (only when nothing runnable fits)
+    infeasible: list[Candidate]  # over memory, smallest first (some may be runtime_unsupported too)
+    examined: int
+    refusals: list[str] = field(default_factory=list)  # why layouts were not priced at all
 
 
 def divisors(n: int) -> list[int]:
@@ -89,47 +103,6 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
 def stages_per_rank(schedule: str) -> int:
     """The pipeline stages per rank the planner tries for a schedule (when --virtual-stages is not fixed)."""
     return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
-
-
-@functools.lru_cache(maxsize=64)
-def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
-    """The model family must have a TP plan the runtime can apply (models/plans.py). Building even a meta model
-    imports torch's compiler stack (seconds), so the answer is cached on disk with the traces."""
-    from paratrain.plan.tracing.trace_cache import cached
-
-    problem = cached("tp-plan", {"args": args, "tp": tp, "sp": sp}, lambda: _tp_plan_problem(args, tp, sp),
-                     lambda doc: doc)
-    if problem:
-        raise UserError(problem)
-
-
-def _tp_plan_problem(args: ModelArgs, tp: int, sp: bool) -> str:
-    from paratrain.models.plans import tp_plan_for
-    from paratrain.models.presets import build_model
-
-    try:  # the plan is per block: one block shows whether it applies
-        tp_plan_for(build_model(replace(args, n_layers=1), "meta", seed=None), tp, sp=sp)
-    except UserError as exc:
-        return str(exc)
-    return ""
-
-
-def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
-    """Why this layout cannot run at all (the runtime's own check_layout, plus what the planner knows of the
-    model family and the cluster), or None."""
-    from paratrain.parallel.checks import check_layout
-
-    try:
-        check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
-        if lay.pp > 1 and job.args.tie_embeddings:
-            return "a tied embedding cannot be split across pipeline stages"
-        if lay.tp > 1:
-            _check_tp_plan(job.args, lay.tp, lay.sp)
-    except UserError as exc:
-        return str(exc)
-    if lay.tp > gpus_per_node:
-        return f"tp={lay.tp} would span nodes ({gpus_per_node} GPUs per node)"
-    return None
 
 
 def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
@@ -231,6 +204,29 @@ def screen(job: Job, hw: HardwareProfile, base: Layout, fixed: dict) -> Candidat
     return None
 
 
+def screen_unsupported(job: Job, hw: HardwareProfile, base: Layout, fixed: dict,
+                       refusals: dict[str, None]) -> Candidate | None:
+    """As screen(), for a layout the runtime refuses at every micro-batch: priced and marked with the rule.
+    None when some micro-batch runs (screen() has priced it) or none can be priced (the problem is kept)."""
+    ac = fixed.get("ac") or AC_MODES[-1]
+    for mb in micro_batch_options(job, base, fixed):
+        lay = with_micro_batch(base, job, ac, mb)
+        ok, rule = admitted(job, lay, hw.gpu.gpus_per_node, unsupported_ok=True)
+        if ok and rule is None:
+            return None
+        if not ok:
+            refusals[unpriceable(job, lay, hw.gpu.gpus_per_node) or rule] = None
+            continue
+        try:
+            cand = evaluate(job, hw, lay)
+        except (UserError, ValueError, ZeroDivisionError) as exc:
+            refusals[f"{rule}; the cost model cannot price it either ({exc})"] = None
+            continue
+        cand.runtime_unsupported = rule
+        return cand
+    return None
+
+
 def grow(job: Job, hw: HardwareProfile, cand: Candidate, fixed: dict) -> Candidate:
     """Double the micro-batch while it is predicted to fit and to run faster."""
     if fixed.get("micro_batch"):
@@ -246,9 +242,11 @@ def grow(job: Job, hw: HardwareProfile, cand: Candidate, fixed: dict) -> Candida
         guess = mem.total + (mem.activations + max(mem.other, 0.0)) * (mb / best.layout.micro_batch - 1)
         if guess > budget * 1.05 and not (lay.microbatches == 1 < best.layout.microbatches):
             break
-        if structural_problem(job, lay, hw.gpu.gpus_per_node):
+        ok, rule = admitted(job, lay, hw.gpu.gpus_per_node, unsupported_ok=cand.runtime_unsupported is not None)
+        if not ok:
             continue
         trial = evaluate(job, hw, lay)
+        trial.runtime_unsupported = rule
         if not trial.feasible or trial.time.step_s > best.time.step_s * 0.99:
             break
         best = trial
@@ -266,6 +264,7 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
         for ac in AC_MODES[:AC_MODES.index(screened.layout.ac)]:
             lay = with_micro_batch(screened.layout, job, ac, screened.layout.micro_batch)
             trial = evaluate(job, hw, lay)
+            trial.runtime_unsupported = screened.runtime_unsupported  # no runtime rule looks at the AC
             if trial.feasible:
                 best = trial if trial.time.step_s < best.time.step_s else best
                 break
@@ -274,13 +273,19 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
 
 def search(job: Job, hw: HardwareProfile, fixed: dict,
            exhaustive: bool = False) -> tuple[list[Candidate], list[Candidate], int]:
-    """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined).
+    """(feasible candidates, fastest first; infeasible ones, smallest first; layouts examined): only layouts the
+    runtime runs are feasible here (`train --strategy auto` takes the first); search_all() has the rest."""
+    found = search_all(job, hw, fixed, exhaustive)
+    return [c for c in found.feasible if c.runtime_unsupported is None], found.infeasible, found.examined
 
-    Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
+
+def search_all(job: Job, hw: HardwareProfile, fixed: dict, exhaustive: bool = False) -> SearchResult:
+    """Every layout is first screened at its smallest memory (full AC, smallest micro-batch); only those whose
     screened time, minus what recomputation can cost at most, could still beat the best found are refined.
     Pipeline layouts join when the cluster has several nodes, when --pp is given, or when nothing else fits;
     context-parallel layouts (long sequences) when --cp is given or when nothing else fits.
     exhaustive: every layout is refined, pipeline and CP layouts always join (`plan --search full`).
+    When nothing the runtime runs fits, the layouts it refuses are priced too (SearchResult.unsupported).
     """
     feasible, infeasible = [], []
     bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
@@ -312,17 +317,36 @@ def search(job: Job, hw: HardwareProfile, fixed: dict,
             if cand is None:
                 continue
             (screened if cand.feasible else infeasible).append(cand)
-        screened.sort(key=lambda c: c.time.step_s)
-        best_time = math.inf
-        for cand in screened:
-            bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
-            if exhaustive or bound < best_time:
-                cand = refine(job, hw, cand, fixed)
-            best_time = min(best_time, cand.time.step_s)
-            feasible.append(cand)
+        feasible += refine_all(job, hw, screened, fixed, exhaustive)
+    unsupported, refusals = [], {}
+    if not feasible:
+        # nothing the runtime runs fits: price what it refuses as well, each marked with the rule that refuses it
+        screened = []
+        for base in bases:
+            if model_states_floor(job, base) > usable:
+                continue  # listed above, states alone
+            cand = screen_unsupported(job, hw, base, fixed, refusals)
+            if cand is not None:
+                (screened if cand.feasible else infeasible).append(cand)
+        unsupported = refine_all(job, hw, screened, fixed, exhaustive)
     feasible.sort(key=lambda c: c.time.step_s)
+    unsupported.sort(key=lambda c: c.time.step_s)
     infeasible.sort(key=lambda c: c.memory.total)
-    return feasible, infeasible, examined
+    return SearchResult(feasible, unsupported, infeasible, examined, list(refusals))
+
+
+def refine_all(job: Job, hw: HardwareProfile, screened: list[Candidate], fixed: dict,
+               exhaustive: bool) -> list[Candidate]:
+    """Refine the screened candidates, fastest first, skipping those that cannot beat the best refined one."""
+    out = []
+    best_time = math.inf
+    for cand in sorted(screened, key=lambda c: c.time.step_s):
+        bound = cand.time.step_s * AC_SPEEDUP_BOUND[cand.layout.ac]
+        if exhaustive or bound < best_time:
+            cand = refine(job, hw, cand, fixed)
+        best_time = min(best_time, cand.time.step_s)
+        out.append(cand)
+    return out
 
 
 def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 65536,

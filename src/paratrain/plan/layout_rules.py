@@ -1,0 +1,92 @@
+"""Which layouts the planner may price: structural_problem() says why paratrain's runtime (or the planner's own
+rule) refuses a layout; unpriceable() says whether the cost model can price it all the same (the model and the
+batch split as asked). A refused but priceable layout becomes a candidate marked runtime_unsupported."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from paratrain.errors import UserError
+from paratrain.models.args import ModelArgs
+from paratrain.parallel.layout import Layout
+
+if TYPE_CHECKING:
+    from paratrain.plan.search import Job
+
+
+@functools.lru_cache(maxsize=64)
+def _check_tp_plan(args: ModelArgs, tp: int, sp: bool) -> None:
+    """The model family must have a TP plan the runtime can apply (models/plans.py). Building even a meta model
+    imports torch's compiler stack (seconds), so the answer is cached on disk with the traces."""
+    from paratrain.plan.tracing.trace_cache import cached
+
+    problem = cached("tp-plan", {"args": args, "tp": tp, "sp": sp}, lambda: _tp_plan_problem(args, tp, sp),
+                     lambda doc: doc)
+    if problem:
+        raise UserError(problem)
+
+
+def _tp_plan_problem(args: ModelArgs, tp: int, sp: bool) -> str:
+    from paratrain.models.plans import tp_plan_for
+    from paratrain.models.presets import build_model
+
+    try:  # the plan is per block: one block shows whether it applies
+        tp_plan_for(build_model(replace(args, n_layers=1), "meta", seed=None), tp, sp=sp)
+    except UserError as exc:
+        return str(exc)
+    return ""
+
+
+def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
+    """Why this layout cannot run at all (the runtime's own check_layout, plus what the planner knows of the
+    model family and the cluster), or None."""
+    from paratrain.parallel.checks import check_layout
+
+    try:
+        check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
+        if lay.pp > 1 and job.args.tie_embeddings:
+            return "a tied embedding cannot be split across pipeline stages"
+        if lay.tp > 1:
+            _check_tp_plan(job.args, lay.tp, lay.sp)
+    except UserError as exc:
+        return str(exc)
+    if lay.tp > gpus_per_node:
+        return f"tp={lay.tp} would span nodes ({gpus_per_node} GPUs per node)"
+    return None
+
+
+def unpriceable(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
+    """Why the cost model cannot price this layout at all, or None: the model or the batch does not split as
+    asked, the family has no TP plan to trace, or TP would span nodes (the planner's own rule). Any other
+    structural problem is a rule of paratrain's runtime: such a layout is priced and marked runtime_unsupported."""
+    from paratrain.parallel.checks import check_cp
+
+    args = job.args
+    if args.n_layers < lay.pp * lay.virtual_stages:
+        return (f"pp={lay.pp} x {lay.virtual_stages} stage(s) per rank = {lay.pp * lay.virtual_stages} stages but "
+                f"the model has only {args.n_layers} layers")
+    try:
+        if lay.tp > 1:
+            args.check_tp_divides(lay.tp)
+            _check_tp_plan(args, lay.tp, lay.sp)
+        check_cp(args, lay, job.seq_len)
+    except UserError as exc:
+        return str(exc)
+    if job.global_batch % lay.dp or lay.micro_batch * lay.microbatches * lay.dp != job.global_batch:
+        return f"the global batch {job.global_batch} does not split into {lay.dp} data-parallel ranks x " \
+               f"{lay.microbatches} micro-batches of {lay.micro_batch}"
+    if lay.tp > gpus_per_node:
+        return f"tp={lay.tp} would span nodes ({gpus_per_node} GPUs per node)"
+    return None
+
+
+def admitted(job: Job, lay: Layout, gpus_per_node: int, unsupported_ok: bool) -> tuple[bool, str | None]:
+    """(may this layout be priced, the runtime rule it breaks). Without unsupported_ok only runnable layouts."""
+    problem = structural_problem(job, lay, gpus_per_node)
+    if problem is None:
+        return True, None
+    if unsupported_ok and unpriceable(job, lay, gpus_per_node) is None:
+        return True, problem
+    return False, problem
