@@ -13,7 +13,7 @@ from paratrain.models.presets import get_preset
 from paratrain.plan import plan_report, search
 from paratrain.plan.plan_cli import build_job, format_plan
 from paratrain.plan.plan_report import plan_document
-from paratrain.plan.search import Job, SearchResult, structural_problem
+from paratrain.plan.search import Job, SearchResult
 
 # GPT-3 175B as a transformers gpt2 config: tied head by default (Korthikanti et al. 2022, Table 5: 18.13 s/step)
 GPT_175B = {"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96, "vocab_size": 51200,
@@ -44,19 +44,13 @@ def test_the_175b_tp8_pp8_fp16_layout_is_priced_and_names_the_rule(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_tied_head_under_pp_is_marked_while_the_runtime_refuses_it(tmp_path):
+def test_a_tied_head_under_pp_is_an_ordinary_candidate(tmp_path):
+    """The runtime runs tied embeddings under pp (parallel/tied_weights.py): Megatron's 175B layout is planned
+    as it ran, not refused."""
     job, doc = _plan(GPT_175B, tmp_path, dtype="bf16", **ISSUE_LAYOUT)
     best = doc["candidates"][0]
-    assert best["step_time_s"] > 0
-    from paratrain.parallel.layout import Layout
-
-    lay = Layout(tp=8, pp=8, sp=True, micro_batch=1, microbatches=64, ac="full", pp_schedule="1f1b")
-    refusal = structural_problem(job, lay, 8)
-    if refusal and "tied" in refusal:  # the rule stands: marked with it, never recommended
-        assert best["runtime_unsupported"] and "tied" in best["runtime_unsupported"]
-        assert doc["recommended"] is None
-    else:  # the runtime runs tied embeddings under pp: an ordinary candidate
-        assert best["runtime_unsupported"] is None and doc["recommended"] == 0
+    assert job.args.tie_embeddings and best["step_time_s"] > 0
+    assert best["runtime_unsupported"] is None and doc["recommended"] == 0, doc["message"]
 
 
 def test_fits_nowhere_shows_the_closest_layouts_memory_by_part():

@@ -46,8 +46,6 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
 
     try:
         check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
-        if lay.pp > 1 and job.args.tie_embeddings:
-            return "a tied embedding cannot be split across pipeline stages"
         if lay.tp > 1:
             _check_tp_plan(job.args, lay.tp, lay.sp)
     except UserError as exc:

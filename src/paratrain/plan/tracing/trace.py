@@ -198,7 +198,8 @@ def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layer
             return derived
     if layers == 1 and part == "last" and not args.tie_embeddings:
         # the last part holds what the whole model holds minus the embedding: whole + middle - first (a search
-        # traces the whole model first; a tied embedding is one tensor in both ends, and never pipelined)
+        # traces the whole model first). Tied: traced as it is, the last part holding its own copy of the table
+        # as the head (as the runtime's pipeline does: parallel/tied_weights.py)
         derived = _plus_one_block(trace_optimizer(args, "whole", tp, device_type, 1),
                                   trace_optimizer(args, "first", tp, device_type, 1),
                                   trace_optimizer(args, "middle", tp, device_type, 1))
