@@ -67,3 +67,12 @@ def test_env_json(cli):
     assert res.returncode == 0
     report = res.json()
     assert report["gloo"] is True and report["torch"]
+    for package in ("transformers", "tokenizers", "safetensors", "datasets", "torchao"):
+        assert package in report  # a version string, or None when it is not installed
+
+
+def test_env_report_goes_to_stdout_so_it_can_be_redirected(cli_inproc):
+    res = cli_inproc("env")
+    assert res.returncode == 0, res.stderr
+    fields = dict(line.split(":", 1) for line in res.stdout.splitlines())
+    assert {"torch", "transformers", "tokenizers", "safetensors"} <= {key.strip() for key in fields}

@@ -259,7 +259,8 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
            max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="largest safetensors file, e.g. 500MB"),
            dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
            as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
-    """Write a checkpoint as a Hugging Face directory (config.json + safetensors) that transformers loads."""
+    """Write a checkpoint as safetensors: a Hugging Face directory that transformers loads (presets, and hf: models
+    in their own format with their tokenizer), or a plain state dict (a custom --script model)."""
     setup_cli_logging()
     from paratrain.convert.hf_export import DTYPES, export_checkpoint, parse_size
 
@@ -272,7 +273,8 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
         emit_json(doc)
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Prepare training data: tokenize text into a token file.")
+data_app = typer.Typer(no_args_is_help=True,
+                       help="Prepare training data: train a tokenizer, tokenize text into a token file.")
 app.add_typer(data_app, name="data")
 
 
@@ -293,18 +295,33 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files; each 
         emit_json(meta)
 
 
+@data_app.command("tokenizer")
+def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files to learn the vocabulary from"),
+                   out: Path = typer.Option(..., "-o", "--out", help="directory for the tokenizer.json"),
+                   vocab_size: int = typer.Option(8192, "--vocab-size", help="at most this many tokens"),
+                   as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
+    """Train a byte-level BPE tokenizer.json on your own text files (for `data prepare --tokenizer DIR`)."""
+    setup_cli_logging()
+    from paratrain.interop.train_tokenizer import train_tokenizer
+
+    doc = train_tokenizer(files, out, vocab_size)
+    log.info("wrote %s: byte-level BPE, vocab %d, trained on %d file(s) (%s bytes)", doc["tokenizer"],
+             doc["vocab_size"], len(doc["sources"]), f"{sum(s['bytes'] for s in doc['sources']):,}")
+    if as_json:
+        emit_json(doc)
+
+
 # -- env -----------------------------------------------------------------------------------------------------------
 @app.command()
 def env(as_json: bool = typer.Option(False, "--json", help="print JSON on stdout")):
-    """Versions, devices, backends and topology, for bug reports."""
+    """Versions, devices, backends and topology, for bug reports (on stdout: `paratrain env > env.txt`)."""
     from paratrain.env_report import collect_env
 
     report = collect_env()
     if as_json:
         emit_json(report)
     else:
-        for key, value in report.items():
-            sys.stderr.write(f"{key:>18}: {value}\n")
+        sys.stdout.write("".join(f"{key:>18}: {value}\n" for key, value in report.items()))
 
 
 # -- doctor --------------------------------------------------------------------------------------------------------

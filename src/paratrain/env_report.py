@@ -5,6 +5,17 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from importlib import metadata
+
+# Libraries a run may use besides torch: their versions, read from the installed metadata (no import).
+OPTIONAL_PACKAGES = ("transformers", "tokenizers", "safetensors", "datasets", "torchao", "accelerate")
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def collect_env() -> dict:
@@ -20,6 +31,7 @@ def collect_env() -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "numpy": numpy.__version__,
+        **{package: installed_version(package) for package in OPTIONAL_PACKAGES},
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),

@@ -220,7 +220,8 @@ def test_phase_timer_leaves_training_unchanged(monkeypatch):
 def test_communication_is_graded_by_its_counterfactual_cost_not_only_exposure():
     # exposed 2 ms of a 100 ms step (below the 3% floor), but skipping the gradient sync saves 23 ms: as in
     # issue #20, gloo's threads slowed compute without leaving the step waiting
-    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "staged_optimizer_s": 0.02,
+              "no_optimizer_s": 0.08,
               "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057}
     caps = [{**capture(rank, comm=0.002), "probes": probes} for rank in (0, 1)]
     ctx = context(caps, strategy="ddp")
@@ -236,7 +237,8 @@ def test_communication_is_graded_by_its_counterfactual_cost_not_only_exposure():
 def test_alone_probe_splits_running_distributed_into_sync_and_peer_contention():
     # full step 100 ms; without the sync 77 ms (sync 23 ms on forward+backward); alone 60 ms: running distributed
     # costs 40 ms, 17 ms of it peer-rank contention; the finding is ranked by the 40 ms
-    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "staged_optimizer_s": 0.02,
+              "no_optimizer_s": 0.08,
               "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057, "alone_s": 0.06}
     ctx = context([{**capture(rank, comm=0.002), "probes": probes} for rank in (0, 1)], strategy="ddp")
     assert ctx.analysis["counterfactual"]["seconds"]["communication"] == pytest.approx(0.04)
@@ -250,7 +252,8 @@ def test_alone_probe_splits_running_distributed_into_sync_and_peer_contention():
 def test_oversubscribed_cores_charge_peer_contention_to_allocation_not_communication():
     # the same probes, but 2 ranks x 4 threads on 2 cores: the contention is the oversubscription's doing, so the
     # communication finding is ranked by the 23 ms sync alone and the allocation finding comes first
-    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "no_optimizer_s": 0.08,
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "staged_optimizer_s": 0.02,
+              "no_optimizer_s": 0.08,
               "no_grad_sync_s": 0.077, "no_grad_sync_forward_backward_s": 0.057, "alone_s": 0.02}
     ctx = context([{**capture(rank, comm=0.002, threads=4, cores=2), "probes": probes} for rank in (0, 1)],
                   strategy="ddp")
@@ -279,3 +282,40 @@ def test_configured_dp_batch_split_is_not_a_straggler():
                                                        busy_opt=0.06, ops_fb=300)])
     found = next(f for f in diagnose(split) if f.cause == "allocation")
     assert "--dp-batch-split" in found.evidence and found.numbers["sequences_per_rank"] == [3, 1]
+
+
+def test_optimizer_cost_is_its_phase_not_whole_steps_that_differ_by_noise():
+    # issue 35: the optimizer took 40 ms of a ~1 s step, but the no-optimizer probe's forward+backward happened
+    # to run 60 ms slower, so whole steps said removing the optimizer saves 0.0 ms against the phase bars' 40 ms
+    probes = {"rounds": 3, "staged_s": 1.0, "staged_forward_backward_s": 0.955, "staged_optimizer_s": 0.04,
+              "no_optimizer_s": 1.015, "no_optimizer_forward_backward_s": 1.015, "no_optimizer_optimizer_s": 0.0}
+    ctx = context([{**capture(rank, iteration=1.0, fwd=0.3, bwd=0.655, opt=0.04), "probes": probes} for rank in (0, 1)],
+                  strategy="ddp")
+    saved = ctx.analysis["counterfactual"]["seconds"]["optimizer"]
+    measured = ctx.analysis["per_rank"][0]["phases_s"]["optimizer"]
+    assert saved == pytest.approx(0.04) and saved == pytest.approx(measured)
+
+
+def test_data_loading_cost_compares_fastest_with_fastest():
+    # a staged step as fast as the fastest real step: the loader costs nothing, however slow the other steps were
+    cap = capture(iteration=0.1)
+    cap["steps"][1]["step_time_s"] = 0.16  # one step slowed by the machine, not by the loader
+    probes = {"rounds": 3, "staged_s": 0.1, "staged_forward_backward_s": 0.08, "staged_optimizer_s": 0.02,
+              "no_optimizer_s": 0.08}
+    ctx = context([{**cap, "probes": probes}])
+    assert ctx.analysis["counterfactual"]["seconds"]["data_loading"] == pytest.approx(0.0)
+
+
+def test_shapes_fix_on_an_hf_model_names_its_config_json_keys(tmp_path):
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}))
+    ctx = context([capture()], model=f"hf:{folder}")
+    fix = next(f for f in diagnose(ctx) if f.cause == "shapes").fix
+    assert "intermediate_size = 384" in fix and "vocab_size = 1024" in fix and str(folder / "config.json") in fix
+    assert "ffn_dim" not in fix and "--config TOML" not in fix  # the hf: path refuses shape keys in the TOML
+    pretrained = context([capture()], model=f"hf:{folder}", init_from=str(folder))
+    fix = next(f for f in diagnose(pretrained) if f.cause == "shapes").fix
+    assert "--micro-batch" in fix and "intermediate_size" not in fix

@@ -125,7 +125,8 @@ def breakdown(captures: list[dict]) -> dict:
     seconds = {k: statistics.fmean(r["seconds"][k] for r in per_rank) for k in CATEGORIES}
     step = sum(seconds.values())
     fractions = {k: (v / step if step > 0 else 0.0) for k, v in seconds.items()}
-    costs = [counterfactual_costs(c.get("probes"), _mean(c["steps"], "step_time_s")) for c in captures]
+    # the fastest measured step against the fastest probe round: a mean against a minimum is never zero
+    costs = [counterfactual_costs(c.get("probes"), min(s["step_time_s"] for s in c["steps"])) for c in captures]
     causes = set.intersection(*(set(c) for c in costs)) if costs else set()
     cf_seconds = {k: statistics.fmean(c[k] for c in costs) for k in sorted(causes)}
     counterfactual = {"seconds": cf_seconds, "fractions": {k: v / step if step > 0 else 0.0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from paratrain.doctor.nvml import LIMITING_REASONS
 from paratrain.doctor.shapes import misaligned_shapes, misaligned_share
+from paratrain.models.hf_files import hf_location, is_hf_model, read_hf_config
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
 # every `cause` a finding may name (the doctor --json contract); the rules here raise the first seven
@@ -153,14 +154,37 @@ def check_shapes(ctx: Context) -> Finding | None:
     severity = by_threshold(share, 0.3, 0.05) or "low"
     evidence = "; ".join(f"{i['name']} {i['value']} is not a multiple of {i['multiple']} ({i['where']}, "
                          f"{i['flops_share']:.0%} of model FLOPs)" for i in issues)
-    keys = [f"{i['key']} = {i['padded']}" for i in issues if i.get("key")]
-    fix = (f"pad to aligned sizes: {', '.join(keys)} in the run's --config TOML (extra vocabulary rows are never "
-           f"targets; they cost memory only)" if keys else "choose aligned sizes")
+    if is_hf_model(ctx.cfg.model):
+        fix = hf_shape_fix(ctx.cfg, issues)
+    else:
+        keys = [f"{i['key']} = {i['padded']}" for i in issues if i.get("key")]
+        fix = (f"pad to aligned sizes: {', '.join(keys)} in the run's --config TOML (extra vocabulary rows are never "
+               f"targets; they cost memory only)" if keys else "choose aligned sizes")
     extra = [f"{i['name']} -> {i['padded']}" for i in issues if not i.get("key")]
     if extra:
         fix += "; " + ", ".join(extra)
     return Finding("shapes", severity, 0.3 * share, evidence, fix,
                    {"misaligned": issues, "padded": {i["name"]: i["padded"] for i in issues}})
+
+
+# a transformers model's sizes live in its config.json, under that architecture's names
+HF_SHAPE_KEYS = {"gpt2": {"vocab_size": "vocab_size", "dim": "n_embd", "ffn_dim": "n_inner"}}
+HF_COMMON_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "ffn_dim": "intermediate_size"}
+
+
+def hf_shape_fix(cfg, issues: list[dict]) -> str:
+    """The fix for `--model hf:PATH`, whose shape is not a paratrain setting: its config.json's own keys for a
+    from-scratch run; with pretrained weights (--init-from) the sizes are fixed, so a larger micro-batch."""
+    bigger = "a larger --micro-batch makes each matmul bigger and the ragged tile a smaller part of it"
+    if cfg.init_from:
+        return f"these sizes are the pretrained weights' own (--init-from {cfg.init_from}): keep them; {bigger}"
+    config_path, _ = hf_location(cfg.model)
+    names = HF_SHAPE_KEYS.get(read_hf_config(cfg.model)["model_type"], HF_COMMON_KEYS)
+    keys = [f"{names[i['key']]} = {i['padded']}" for i in issues if i.get("key") in names]
+    if not keys:
+        return f"these sizes are the model's own; {bigger}"
+    return (f"this model's shape comes from its config.json: for a run from scratch set {', '.join(keys)} in "
+            f"{config_path} (extra vocabulary rows are never targets); to keep the model as it is, {bigger}")
 
 
 # -- 4. memory ---------------------------------------------------------------------------------------------------

@@ -67,9 +67,11 @@ def model_args_for(cfg) -> ModelArgs:
     if is_hf_model(cfg.model):  # a transformers model's config.json: its own shape, no overrides
         from paratrain.models.hf_shape import hf_model_args
 
-        if shape:
+        if shape:  # only vocab_size has a flag; the others come from a --config TOML
+            key = next(iter(shape))
+            given = "--vocab-size or the --config TOML" if key == "vocab_size" else "the --config TOML"
             raise UserError(f"--model {cfg.model} takes its shape from its config.json; edit that instead of "
-                            f"--{next(iter(shape)).replace('_', '-')}")
+                            f"setting {key} in {given}")
         return hf_model_args(cfg.model, cfg.seq_len)
     args = get_preset(cfg.model)
     if shape:
@@ -107,7 +109,8 @@ def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
     mlp = 3 * d * args.ffn_dim
     per_layer = attn + mlp + 2 * d
     total = args.n_layers * per_layer + d + args.vocab_size * d
-    return total + (args.vocab_size * d if include_embedding else 0)
+    # a tied head is the token table (Qwen2-0.5B, Llama-3.2-1B): one matrix, counted once
+    return total + (args.vocab_size * d if include_embedding and not args.tie_embeddings else 0)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -36,5 +36,6 @@ def check_fits_machine(args, seq_len: int, world_size: int, device_type: str) ->
     if limit is not None and per_rank > limit:
         raise UserError(f"the model has {weights:.3g} parameters: its fp32 weights alone need "
                         f"{per_rank / 2**30:.3g} GiB per rank even sharded {world_size} way(s), more than the "
-                        f"{limit / 2**30:.3g} GiB a rank has here; check --vocab-size, --dim, --n-layers, --ffn-dim and --seq-len "
+                        f"{limit / 2**30:.3g} GiB a rank has here; check --model, --vocab-size, --seq-len and the "
+                        f"shape keys (dim, n_layers, ffn_dim) of the --config TOML "
                         f"(`paratrain plan` sizes a run for a cluster)")

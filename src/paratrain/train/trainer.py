@@ -27,6 +27,7 @@ from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
 from paratrain.train import checkpoint as ckpt
+from paratrain.train.counts import plural, readable_count
 from paratrain.train.data import BatchSource, Prefetcher, make_dataset
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.faults import RunFailed
@@ -76,6 +77,8 @@ class Trainer:
         else:
             model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
         self.model_name = custom.name if custom else self.args.name
+        # counted on the whole model, before any strategy shards it (parameters() counts a tied table once)
+        self.param_count = sum(p.numel() for p in model.parameters())
         self.model_meta = custom.describe(model) if custom else self.args.to_dict()
         if cfg.init_from:  # into the full model, before any strategy shards it
             from paratrain.interop.hf_import import load_hf_weights
@@ -232,7 +235,8 @@ class Trainer:
         if self.scaler:
             extra["scaler"] = self.scaler.state_dict()
         meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
-                "dims": self.layout.degrees(), "strategy": self.cfg.strategy, "run_id": self.run_id}
+                "dims": self.layout.degrees(), "strategy": self.cfg.strategy, "run_id": self.run_id,
+                "model_source": ckpt.model_source(self.cfg.model, self.custom)}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 
@@ -301,7 +305,7 @@ class Trainer:
         if main and not self.quiet:
             floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
             log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.model_name,
-                     f"{sum(p.numel() for p in self.params):,}" if not self.distributed else "sharded",
+                     readable_count(self.param_count),
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
         if main and not self.quiet and self.data_tokens is not None:
             self.log_data()
@@ -393,7 +397,7 @@ class Trainer:
         docs = self.source.dataset.meta.get("documents") if getattr(self.source.dataset, "meta", None) else None
         per_epoch = self.data_tokens / self.tokens_per_step
         log.info("data %s: %s tokens%s; one epoch = %.1f steps of %s tokens (this run: %.2f epochs)",
-                 self.cfg.data, f"{self.data_tokens:,}", f", {docs:,} documents" if docs else "", per_epoch,
+                 self.cfg.data, f"{self.data_tokens:,}", f", {plural(docs, 'document')}" if docs else "", per_epoch,
                  f"{self.tokens_per_step:,}", self.cfg.steps / per_epoch)
 
     def out_of_memory(self) -> UserError:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.models.hf_files import is_hf_model
+from paratrain.models.hf_files import is_hf_model, read_hf_config
 from paratrain.models.hf_model import check_hf_run
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
@@ -17,6 +18,8 @@ from paratrain.train.data import make_dataset
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type
+
+log = logging.getLogger("paratrain")
 
 
 def world_size_for(cfg: TrainConfig) -> int:
@@ -39,6 +42,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
     if is_hf_model(cfg.model):  # what a transformers model cannot run, before any process starts
         check_hf_run(layout, cfg, args)
+        warn_past_trained_positions(cfg)
     check_precision(cfg, layout, device_type)
     make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
     from paratrain.train.evaluate import build_validator
@@ -51,3 +55,13 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.ckpt_every and cfg.ckpt_every > cfg.steps:
         raise UserError(f"--ckpt-every {cfg.ckpt_every} is larger than --steps {cfg.steps}: no checkpoint would be saved")
     return layout
+
+
+def warn_past_trained_positions(cfg: TrainConfig) -> None:
+    """One warning when --seq-len runs a RoPE model past its max_position_embeddings. (A learned position
+    table, GPT-2's n_positions, has no room beyond it: that is refused where the shape is read.)"""
+    positions = read_hf_config(cfg.model).get("max_position_embeddings")
+    if isinstance(positions, int) and cfg.seq_len > positions and os.environ.get("RANK", "0") == "0":
+        log.warning("--seq-len %d is longer than the %d positions %s was trained on (max_position_embeddings): "
+                    "fine from scratch, but pretrained weights may do worse past position %d",
+                    cfg.seq_len, positions, cfg.model, positions)
