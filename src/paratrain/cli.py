@@ -60,6 +60,12 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("memory_snapshot", Optional[bool], _opt(None, "--memory-snapshot/--no-memory-snapshot",
                                              help="CUDA: record memory history; dump a snapshot for "
                                                   "pytorch.org/memory_viz into the run directory")),
+    ("mem_budget_gib", Optional[float], _opt(None, "--mem-budget-gib",
+                                             help="GiB one device may use: train stops before starting when the "
+                                                  "planner predicts more (default: the GPU's memory; on CPU only "
+                                                  "when given)")),
+    ("memory_check", Optional[bool], _opt(None, "--memory-check/--no-memory-check",
+                                          help="train: check the predicted peak memory first (default on)")),
     *[(d.name, Optional[int], _opt(None, d.flag, help=d.help)) for d in all_dims()],  # the degrees (dims.py)
     ("sp", Optional[bool], _opt(None, "--sp/--no-sp", help="sequence parallel (with tp)")),
     ("cp_impl", Optional[str], _opt(None, "--cp-impl", help=one_of(CP_IMPLS))),
@@ -170,8 +176,13 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         from paratrain.train.custom import check_custom_run, load_script
 
         check_custom_run(cfg, world, load_script(script))
+        predicted_peak = None
     else:
-        validate_run(cfg, world)
+        from paratrain.models.presets import model_args_for
+        from paratrain.plan.memory_check import check_memory
+        from paratrain.train.runtime import pick_device_type
+
+        predicted_peak = check_memory(cfg, validate_run(cfg, world), model_args_for(cfg), pick_device_type(cfg.device))
     from paratrain.train.launch import launched_run_name
 
     name = launched_run_name(cfg.strategy) or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}"
@@ -183,7 +194,8 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     try:
-        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script), world, cfg.max_restarts,
+        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script, predicted_peak), world,
+                              cfg.max_restarts,
                               cfg.timeout_s)
     except UserError:
         if created and _holds_nothing_new(run_dir):  # never a run dir a step or a save already wrote to

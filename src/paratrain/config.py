@@ -84,6 +84,10 @@ class _RunFields(BaseModel):
     compile: bool = False
     memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    # train's memory check (plan/memory_check.py): GiB one device may use (None: the GPU's memory; on CPU the
+    # check runs only when this is given); memory_check = false skips it
+    mem_budget_gib: float | None = Field(None, gt=0)
+    memory_check: bool = True
     max_restarts: int = Field(0, ge=0)
 
 

@@ -45,13 +45,17 @@ log = logging.getLogger("paratrain")
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
-                 layout: Layout | None = None, custom=None, hooks: Hooks | None = None):
+                 layout: Layout | None = None, custom=None, hooks: Hooks | None = None,
+                 predicted_peak_gib: float | None = None):
         """`layout`: the run's Layout (default: resolved from cfg for this world), e.g. a single-device
         reference inside a multi-rank job (verify). `custom`: a user's own model (train/custom.py), not a preset.
         `hooks`: a registry of extension points (train/hooks.py, docs/hooks.md); default: this process's, with
         what PARATRAIN_PLUGINS loads. The trainer holds a child of it, `self.hooks`: attach to that to reach
-        this trainer alone."""
+        this trainer alone. `predicted_peak_gib`: the planner's peak per device (train's memory check), logged
+        against the measured one at step 2."""
         from paratrain.parallel.checks import check_layout
+
+        self.predicted_peak_gib = predicted_peak_gib
 
         self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
         self.hooks = Hooks(hooks if hooks is not None else default_hooks())
@@ -345,6 +349,8 @@ class Trainer:
                     self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
                     record.update(self.last_val)
                 history.append(record)
+                if self.step == 2 and self.predicted_peak_gib is not None and main and not self.quiet:
+                    self.log_memory_against_prediction(record["mem_peak_gib"])
                 if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                     steplog.log(record)
                 if monitor:
@@ -372,7 +378,8 @@ class Trainer:
                 "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
-                "losses": [r["loss"] for r in history], **self.last_val, **self.data_summary()}
+                "losses": [r["loss"] for r in history], "predicted_peak_gib": self.predicted_peak_gib,
+                **self.last_val, **self.data_summary()}
 
     def start_monitor(self, steplog):
         """train --monitor; fit() attaches its clock to the on_phase hook."""
@@ -386,6 +393,13 @@ class Trainer:
         if not self.hooks.has("before_batch"):
             return None
         return functools.partial(self.hooks.fire, "before_batch")
+
+    def log_memory_against_prediction(self, measured_gib: float) -> None:
+        """Step 2 (the optimizer state exists from step 1): the memory check's prediction against the measured
+        peak. On CPU the measure is the process's resident memory, which also holds torch itself."""
+        what = "peak allocated" if self.rt.device_type == "cuda" else "process RSS, torch included"
+        log.info("memory at step 2: predicted %.3g GiB per device, measured %.3g GiB (%s): %.2fx",
+                 self.predicted_peak_gib, measured_gib, what, measured_gib / self.predicted_peak_gib)
 
     def data_summary(self) -> dict:
         if self.data_tokens is None:

@@ -19,8 +19,10 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format="paratrain: %(message)s", stream=sys.stderr, force=True)
 
 
-def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None) -> dict | None:
-    """`custom`: a user's own model (train/custom.py CustomModel, or its "FILE.py:FUNCTION" --script spec)."""
+def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
+                 predicted_peak_gib: float | None = None) -> dict | None:
+    """`custom`: a user's own model (train/custom.py CustomModel, or its "FILE.py:FUNCTION" --script spec).
+    `predicted_peak_gib`: the memory check's prediction, logged against the measured peak at step 2."""
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
@@ -35,7 +37,8 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None) 
             from paratrain.train.custom import load_script
 
             custom = load_script(custom)
-        trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet, custom=custom)
+        trainer = Trainer(cfg, rt, Path(run_dir) if run_dir else None, quiet=quiet, custom=custom,
+                          predicted_peak_gib=predicted_peak_gib)
         summary = trainer.fit()
     except UserError as exc:
         error = str(exc)
