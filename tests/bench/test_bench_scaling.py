@@ -1,5 +1,5 @@
 """bench: strategies x world sizes, the JSON contract, the markdown table, the 3-panel PNG and the HTML page
-(loaded in headless Chromium)."""
+(rendered in headless Chromium where it is installed, always in CI; tests/doctor/html_browser.py)."""
 
 import pytest
 
@@ -67,14 +67,13 @@ def test_efficiency_and_table_from_measured_rows():
 
 
 def check_bench_html(doc, tmp_path):
-    from doctor.html_browser import non_blank_share, render
+    from doctor.html_browser import page_text
 
     page = tmp_path / "out.html"
     assert doc["html"] == "out.html"
     html = page.read_text()
     assert "http://" not in html and "https://" not in html and "<script" not in html  # self-contained
-    text = render(page, tmp_path / "shot.png")
-    assert non_blank_share(tmp_path / "shot.png") > 0.03
+    text = page_text(page, tmp_path)  # rendered in headless Chromium where installed (always in CI)
     for r in doc["runs"]:
         assert f"{r['step_time_s'] * 1e3:.1f}" in text and f"{r['tokens_per_s']:.0f}" in text
     # a catalog placeholder prediction says so on the page, as in the table and the JSON

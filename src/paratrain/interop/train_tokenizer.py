@@ -1,0 +1,52 @@
+"""`paratrain data tokenizer`: a byte-level BPE tokenizer.json trained on your own text files (nothing is
+downloaded). Byte-level: every byte has a token, so any text encodes; `<|endoftext|>` is its first token, which
+`data prepare` puts after each document. For small experiments on a corpus of your own; for a published
+model's vocabulary, pass that model's tokenizer.json to `data prepare` instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paratrain.errors import UserError
+from paratrain.interop.optional import require
+
+EOT = "<|endoftext|>"
+BYTES = 256
+MAX_VOCAB = 1 << 20
+
+
+def train_tokenizer(files: list[str | Path], out: str | Path, vocab_size: int) -> dict:
+    """Train on `files`, write OUT/tokenizer.json; returns a summary (path, vocab size reached, inputs)."""
+    tokenizers = require("tokenizers", "paratrain data tokenizer")
+    if not BYTES + 1 <= vocab_size <= MAX_VOCAB:
+        raise UserError(f"--vocab-size {vocab_size}: give {BYTES + 1}..{MAX_VOCAB} (the {BYTES} bytes, "
+                        f"{EOT}, then the merges)")
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise UserError("data tokenizer needs at least one input text file")
+    for p in paths:
+        if not p.is_file():
+            raise UserError(f"input file not found: {p}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: exists and is not a directory (the tokenizer.json goes inside)")
+
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    try:
+        tok.train([str(p) for p in paths], trainer)
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exception subclasses (e.g. bad UTF-8)
+        raise UserError(f"cannot train a tokenizer on {', '.join(map(str, paths))}: "
+                        f"{str(exc).splitlines()[0][:200]}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "tokenizer.json"
+    tok.save(str(target))
+    return {"tokenizer": str(target), "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "requested_vocab_size": vocab_size, "eot": EOT,
+            "sources": [{"path": str(p), "bytes": p.stat().st_size} for p in paths]}
