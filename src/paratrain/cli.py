@@ -420,6 +420,8 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     ("gpu", Optional[str], typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
                                                              "rtx4090, l4, l40s, cpu; or a list per node in rank "
                                                              "order for a mixed cluster: h100-sxm:8,a100-80:8")),
+    ("mig", Optional[str], typer.Option(None, "--mig", help="each device is this MIG slice of --gpu, e.g. "
+                                                             "3g.40gb (docs/planner.md)")),
     ("cluster", Optional[Path], typer.Option(None, "--cluster", help="mixed cluster JSON: nodes with GPU type, "
                                                                      "count, links, speed (docs/mixed-clusters.md)")),
     ("gpus", Optional[int], typer.Option(None, "--gpus", help="total GPUs (devices)")),
@@ -511,6 +513,15 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
            time_limit: str = typer.Option("24:00:00", "--time", help="slurm: time limit"),
            accelerator: str = typer.Option("H100", "--accelerator", help="skypilot: GPU name"),
            cloud: Optional[str] = typer.Option(None, "--cloud", help="skypilot: cloud"),
+           cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task",
+                                                       help="CPUs per node for its ranks (default: 1 per rank with "
+                                                            "--device cpu, else slurm 8 per GPU); OMP_NUM_THREADS "
+                                                            "= CPUs / ranks"),
+           mig: Optional[str] = typer.Option(None, "--mig", help="slurm, k8s: each rank a MIG slice, e.g. 3g.40gb"),
+           gpu_share: Optional[str] = typer.Option(None, "--gpu-share", help="k8s (HAMi): each rank a shared GPU, "
+                                                                              "MEM_MIB:CORES_PCT, e.g. 20000:50"),
+           queue: Optional[str] = typer.Option(None, "--queue", help="k8s only: Kueue LocalQueue (label "
+                                                                     "kueue.x-k8s.io/queue-name)"),
            train_opts: dict = None):
     """Write a Slurm, Kubernetes or SkyPilot job that runs this training on a cluster."""
     from paratrain.launchers.render_job import LaunchOptions, render_launch
@@ -521,7 +532,8 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
     opts = LaunchOptions(nodes=nodes, gpus_per_node=gpus_per_node, job_name=job_name,
                          max_restarts=3 if restarts is None else restarts, port=port, image=image, k8s_api=k8s_api,
                          namespace=namespace, partition=partition, account=account, time_limit=time_limit,
-                         accelerator=accelerator, cloud=cloud)
+                         accelerator=accelerator, cloud=cloud, cpus_per_task=cpus_per_task, mig=mig,
+                         gpu_share=gpu_share, queue=queue)
     from paratrain.config import read_toml
 
     batch_given = train_opts.get("global_batch") is not None or bool(
@@ -534,7 +546,7 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
         output.write_text(text)
     except OSError as exc:
         raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
-    log.info("wrote %s (%s, %d node(s) x %d GPU(s))", output, target, nodes, gpus_per_node)
+    log.info("wrote %s (%s, %d node(s) x %d rank(s))", output, target, nodes, gpus_per_node)
 
 
 def _one_line(exc: object) -> str:

@@ -152,3 +152,64 @@ def device_peak_tflops(device_type: str, dtype: str) -> float | None:
 
     key = catalog_name_for(torch.cuda.get_device_name())
     return CATALOG[key].peak_tflops.get(dtype) if key else None  # e.g. no fp8 peak for this GPU: unknown
+
+
+# -- MIG slices ---------------------------------------------------------------------------------------------------
+# NVIDIA's Multi-Instance GPU user guide, "Supported MIG Profiles": profile -> (compute slices of 7, memory slices
+# of 8, instances one GPU holds). The GB in a profile's name is the slice's memory.
+_MIG_80GB = {"1g.10gb": (1, 1, 7), "1g.20gb": (1, 2, 4), "2g.20gb": (2, 2, 3), "3g.40gb": (3, 4, 2),
+             "4g.40gb": (4, 4, 1), "7g.80gb": (7, 8, 1)}
+MIG_PROFILES: dict[str, dict[str, tuple[int, int, int]]] = {
+    "a100-40": {"1g.5gb": (1, 1, 7), "1g.10gb": (1, 2, 4), "2g.10gb": (2, 2, 3), "3g.20gb": (3, 4, 2),
+                "4g.20gb": (4, 4, 1), "7g.40gb": (7, 8, 1)},
+    "a100-80": _MIG_80GB,
+    "h100-sxm": _MIG_80GB,
+    "h100-pcie": _MIG_80GB,
+    "h200": {"1g.18gb": (1, 1, 7), "1g.35gb": (1, 2, 4), "2g.35gb": (2, 2, 3), "3g.71gb": (3, 4, 2),
+             "4g.71gb": (4, 4, 1), "7g.141gb": (7, 8, 1)},
+}
+# MIG has no peer-to-peer path (NVLink or PCIe) between slices: they exchange through host memory
+_MIG_HOST_GBS = 32.0
+
+
+def mig_profile_names() -> list[str]:
+    """Every MIG profile of the catalog's GPUs, for checking a launch's --mig where the GPU type is not named."""
+    return sorted({p for table in MIG_PROFILES.values() for p in table}, key=_mig_order)
+
+
+def _mig_order(profile: str) -> tuple[int, float]:
+    compute, memory = profile.removesuffix("gb").split("g.")
+    return int(compute), float(memory)
+
+
+def check_mig_profile(profile: str, gpu: str | None = None) -> str:
+    """The profile name, or a UserError listing the valid ones (those of `gpu` when it is given)."""
+    valid = list(MIG_PROFILES[gpu]) if gpu else mig_profile_names()
+    if profile not in valid:
+        where = f" on {gpu}" if gpu else ""
+        raise UserError(f"unknown MIG profile {profile!r}{where}; valid: {', '.join(valid)}")
+    return profile
+
+
+def mig_slice(spec: GPUSpec, profile: str) -> GPUSpec:
+    """The catalog GPU cut to one MIG slice: g/7 of its compute, the profile's memory, its share of memory
+    bandwidth, host-memory links between slices, and the node's NIC shared by the slices of each GPU."""
+    if spec.name not in MIG_PROFILES:
+        raise UserError(f"{spec.name} has no MIG; GPUs with MIG profiles: {', '.join(MIG_PROFILES)}")
+    compute, memory, per_gpu = MIG_PROFILES[spec.name][check_mig_profile(profile, spec.name)]
+    share = compute / 7
+    return GPUSpec(
+        f"{spec.name}/mig-{profile}",
+        {dtype: peak * share for dtype, peak in spec.peak_tflops.items()},
+        _mig_order(profile)[1],
+        min(spec.intra_node_gbs, _MIG_HOST_GBS),
+        spec.inter_node_gbs / per_gpu,
+        gpus_per_node=spec.gpus_per_node * per_gpu,
+        mem_bw_gbs=spec.mem_bw_gbs * memory / 8,
+        source=f"{spec.source}; MIG {profile}: {compute}/7 of the SMs, {memory}/8 of the memory "
+               "(NVIDIA MIG user guide, supported profiles)",
+        assumptions=f"{spec.assumptions}; {per_gpu} {profile} slices per GPU, each a device; no peer-to-peer "
+                    f"between MIG slices (host memory, assumed {_MIG_HOST_GBS:g} GB/s); the NIC is shared by "
+                    "a GPU's slices",
+        extra={**spec.extra, "mig": profile, "mig_of": spec.name},
+    )

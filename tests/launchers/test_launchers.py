@@ -150,6 +150,39 @@ def test_sbatch_script_trains_with_stand_in_srun(tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def sbatch_directives(script: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, re.M))
+
+
+def test_sbatch_cpu_job_asks_for_no_gpu_and_one_cpu_per_rank():
+    """Issue 37: --device cpu on a small node (it asked for 2 GPUs and 16 CPUs)."""
+    script = generated("slurm", "--gpus-per-node", "2", "--device", "cpu", *TRAIN)
+    directives = sbatch_directives(script)
+    assert "gpus-per-node" not in directives and "gres" not in directives
+    assert directives["cpus-per-task"] == "2"
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in script
+    assert 'srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-2}" ' in script
+    more = generated("slurm", "--gpus-per-node", "2", "--device", "cpu", "--cpus-per-task", "8", *TRAIN)
+    assert sbatch_directives(more)["cpus-per-task"] == "8"
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"' in more
+    bash_syntax_ok(more)
+
+
+def test_sbatch_gpu_defaults_and_mig():
+    gpus = sbatch_directives(generated("slurm", "--gpus-per-node", "4", *TRAIN))
+    assert gpus["gpus-per-node"] == "4" and gpus["cpus-per-task"] == "32"  # 8 per GPU, as before
+    mig = generated("slurm", "--gpus-per-node", "2", "--mig", "3g.40gb", *TRAIN)
+    directives = sbatch_directives(mig)
+    assert directives["gres"] == "gpu:3g.40gb:2" and "gpus-per-node" not in directives
+    assert "the gres type must be your site's name" in mig
+
+
+def test_skypilot_cpu_task():
+    doc = yaml.safe_load(generated("skypilot", "--gpus-per-node", "2", "--device", "cpu", *TRAIN))
+    assert doc["resources"] == {"cpus": "2+"} and doc["envs"]["OMP_NUM_THREADS"] == "1"
+    assert "--nproc-per-node=2" in torchrun_tokens(doc["run"])
+
+
 # -- Kubernetes ----------------------------------------------------------------------------------------------
 def container_script(command: list[str]) -> str:
     assert command[:2] == ["bash", "-c"]
@@ -177,7 +210,8 @@ def test_trainjob_fields():
     assert doc["spec"]["runtimeRef"]["name"] == "torch-distributed"
     trainer = doc["spec"]["trainer"]
     assert trainer["numNodes"] == 2 and trainer["image"] == "reg/pt:1"
-    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8"}  # a quantity, as the API writes it
+    assert trainer["numProcPerNode"] == 8
     script = container_script(trainer["command"])
     check_torchrun(torchrun_tokens(script), max_restarts=3)
     env = {e["name"]: e["value"] for e in trainer["env"]}
@@ -210,7 +244,7 @@ def test_pytorchjob_fields():
         assert spec["restartPolicy"] == "OnFailure"
         (container,) = spec["template"]["spec"]["containers"]
         assert container["name"] == "pytorch"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
         check_torchrun(torchrun_tokens(container_script(container["command"])), max_restarts=1)
         env = {e["name"]: e["value"] for e in container["env"]}
         same_run(env["PARATRAIN_CONFIG_TOML"], strategy="ddp", global_batch=24)
@@ -256,6 +290,17 @@ def test_skypilot_fields():
         (["k8s", "--job-name", "Bad_Name"], "job name 'Bad_Name'"),
         (["slurm", "--nodes", "3", "--gpus-per-node", "1", "--strategy", "ddp", "--global-batch", "16"], "not divisible"),
         (["skypilot", "--strategy", "auto"], "--strategy auto"),
+        (["slurm", "--queue", "team"], "--queue is Kubernetes only (Kueue's LocalQueue) (Slurm: --partition)"),
+        (["k8s", "--queue", "bad queue"], "--queue 'bad queue' is not a valid value"),
+        (["k8s", "--mig", "3g.41gb"], "unknown MIG profile '3g.41gb'; valid: 1g.5gb, 1g.10gb"),
+        (["k8s", "--gpu-share", "20000"], "--gpu-share '20000' must be MEM_MIB:CORES_PCT"),
+        (["k8s", "--gpu-share", "20000:150"], "cores 1..100"),
+        (["slurm", "--gpu-share", "20000:50"], "--gpu-share is Kubernetes only"),
+        (["skypilot", "--mig", "3g.40gb"], "--mig is for slurm and k8s"),
+        (["k8s", "--mig", "3g.40gb", "--gpu-share", "1000:10"], "give one"),
+        (["slurm", "--device", "cpu", "--mig", "3g.40gb"], "--mig asks for GPUs"),
+        (["slurm", "--device", "cpu", "--gpus-per-node", "4", "--cpus-per-task", "2"],
+         "--cpus-per-task 2 is fewer than the 4 ranks per node"),
     ],
 )
 def test_bad_launch_input_is_one_line_exit_2(args, message, tmp_path, monkeypatch):

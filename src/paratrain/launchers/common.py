@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass
 
 from paratrain.errors import UserError
+from paratrain.launchers.resources import NodeResources
 
 CONFIG_ENV = "PARATRAIN_CONFIG_TOML"
 # the config file a job writes: a fresh private file per job (mktemp), never a fixed /tmp name
@@ -34,6 +35,12 @@ class JobSpec:
     image: str = DEFAULT_IMAGE
     out: str | None = None
     degree_flags: tuple[str, ...] = ()  # the degrees the config sets, as train flags (repeats the config)
+    resources: NodeResources | None = None  # what each node asks for (None: gpus_per_node whole GPUs)
+
+    def node(self, target: str) -> NodeResources:
+        from paratrain.launchers.resources import node_resources
+
+        return self.resources or node_resources(target, "cuda", self.gpus_per_node)
 
     @property
     def world_size(self) -> int:
@@ -131,6 +138,7 @@ _PATTERNS = {
     "--namespace": r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
     "--accelerator": r"[A-Za-z0-9][A-Za-z0-9._-]*",
     "--cloud": r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    "--queue": r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]",  # a label value
 }
 
 

@@ -14,6 +14,7 @@ from paratrain.launchers.common import (
     scale_default_batch,
     validate_for_cluster,
 )
+from paratrain.launchers.resources import node_resources
 
 TARGETS = ("slurm", "k8s", "skypilot")
 K8S_APIS = ("trainjob", "pytorchjob")
@@ -34,6 +35,10 @@ class LaunchOptions:
     time_limit: str = "24:00:00"
     accelerator: str = "H100"
     cloud: str | None = None
+    cpus_per_task: int | None = None
+    mig: str | None = None
+    gpu_share: str | None = None
+    queue: str | None = None
 
 
 def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = True) -> str:
@@ -46,11 +51,15 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
         raise UserError(f"--k8s-api must be one of: {', '.join(K8S_APIS)}")
     if opts.max_restarts < 0:
         raise UserError(f"--max-restarts must be at least 0, got {opts.max_restarts}")
+    if opts.queue is not None and target != "k8s":
+        hint = " (Slurm: --partition)" if target == "slurm" else ""
+        raise UserError(f"--queue is Kubernetes only (Kueue's LocalQueue){hint}")
     name = opts.job_name or f"paratrain-{cfg.strategy}"
     check_job(opts.nodes, opts.gpus_per_node, name, opts.port)
     check_launch_values(cfg, {"--partition": opts.partition, "--account": opts.account, "--time": opts.time_limit,
                               "--image": opts.image, "--namespace": opts.namespace,
-                              "--accelerator": opts.accelerator, "--cloud": opts.cloud})
+                              "--accelerator": opts.accelerator, "--cloud": opts.cloud, "--queue": opts.queue})
+    resources = node_resources(target, cfg.device, opts.gpus_per_node, opts.cpus_per_task, opts.mig, opts.gpu_share)
     cfg = scale_default_batch(cfg, opts.nodes * opts.gpus_per_node, batch_given)
     validate_for_cluster(cfg, opts.nodes * opts.gpus_per_node)
     job = JobSpec(
@@ -63,6 +72,7 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
         image=opts.image,
         out=cfg.out,
         degree_flags=degree_flags(cfg),
+        resources=resources,
     )
     if target == "slurm":
         from paratrain.launchers.slurm import render_sbatch
@@ -71,7 +81,7 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
     if target == "k8s":
         from paratrain.launchers.kubernetes import render_pytorchjob, render_trainjob
 
-        return (render_trainjob if opts.k8s_api == "trainjob" else render_pytorchjob)(job, opts.namespace)
+        return (render_trainjob if opts.k8s_api == "trainjob" else render_pytorchjob)(job, opts.namespace, opts.queue)
     from paratrain.launchers.skypilot import render_skypilot
 
     return render_skypilot(job, opts.accelerator, opts.cloud)

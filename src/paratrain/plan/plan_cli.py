@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 
 from paratrain.errors import UserError
-from paratrain.gpu_catalog import custom_gpu, get_gpu
+from paratrain.gpu_catalog import custom_gpu, get_gpu, mig_slice
 from paratrain.parallel.dims import mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES
 from paratrain.plan.error_bars import describe
@@ -43,16 +43,28 @@ def resolve_model(model: str | None, hf_config: str | None):
     return get_preset(model), model
 
 
+def _catalog_profile(spec, base: str) -> HardwareProfile:
+    """profile_from_spec with the efficiencies of the catalog GPU `base` (a MIG slice runs its GPU's kernels)."""
+    if spec.name == base:
+        return profile_from_spec(spec)
+    return dataclasses.replace(profile_from_spec(dataclasses.replace(spec, name=base)), gpu=spec)
+
+
 def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
     """--hardware FILE, else --gpu NAME (catalog), else custom figures; cluster overrides on top."""
     custom = (r.peak_tflops, r.mem_gib, r.intra_node_gbs, r.inter_node_gbs)
+    if r.mig and (r.hardware or not r.gpu):
+        raise UserError("--mig slices a catalog GPU: give --gpu NAME with it (e.g. --gpu h100-sxm --mig 3g.40gb)")
     if r.hardware:
         profile = load_profile(r.hardware)
     elif r.gpu:
         spec = get_gpu(r.gpu)
+        base = spec.name
+        if r.mig:
+            spec = mig_slice(spec, r.mig)
         if r.mem_gib:
             spec = dataclasses.replace(spec, mem_gib=float(r.mem_gib))
-        profile = profile_from_spec(spec)
+        profile = _catalog_profile(spec, base)
     elif any(v is not None for v in custom):
         profile = profile_from_spec(custom_gpu(*custom, dtype))
     else:
@@ -69,7 +81,8 @@ def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
     if spec is not profile.gpu:
         profile = dataclasses.replace(profile, gpu=spec)
         if not profile.calibrated:
-            profile = dataclasses.replace(profile_from_spec(spec), notes=profile.notes)
+            profile = dataclasses.replace(_catalog_profile(spec, spec.extra.get("mig_of", spec.name)),
+                                          notes=profile.notes)
     if dtype not in profile.gpu.peak_tflops:
         raise UserError(f"{profile.gpu.name} has no {dtype} peak (known: {', '.join(profile.gpu.peak_tflops)})")
     return profile
@@ -118,8 +131,9 @@ def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, d
     cluster = resolve_cluster({"cluster": r.cluster, "gpu": r.gpu, "gpus": r.gpus},
                               load_profile(r.hardware) if r.hardware else None)
     if cluster is not None:
-        if r.nodes or any(v is not None for v in (r.peak_tflops, r.mem_gib, r.intra_node_gbs, r.inter_node_gbs)):
-            raise UserError("a cluster list or file describes the nodes and links itself: drop --nodes, "
+        if r.nodes or r.mig or any(v is not None for v in (r.peak_tflops, r.mem_gib, r.intra_node_gbs,
+                                                             r.inter_node_gbs)):
+            raise UserError("a cluster list or file describes the nodes and links itself: drop --nodes, --mig, "
                             "--mem-gib, --peak-tflops and the --*-node-gbs options")
         r = r.replace(gpus=len(cluster.devices))
     if r.gpus is None or r.gpus < 1:

@@ -18,6 +18,7 @@ class PlanRequest:
     hf_config: str | None = None
     # the cluster: --gpu NAME (or a list per node), a --cluster file, a --hardware profile, or custom figures
     gpu: str | None = None
+    mig: str | None = None  # --mig PROFILE: each device is that MIG slice of --gpu (gpu_catalog.mig_slice)
     cluster: str | None = None
     gpus: int | None = None
     nodes: int | None = None
