@@ -27,6 +27,10 @@ def cli_inproc(tmp_path, monkeypatch, capsys):
     from paratrain.cli import main
 
     monkeypatch.chdir(tmp_path)
+    # as a user's shell: no launcher's variables (an in-process run earlier in the session may leave RANK /
+    # WORLD_SIZE set, and then the CLI would take itself for one rank of a torchrun job)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
 
     def _run(*args: str) -> CLIResult:
         with pytest.raises(SystemExit) as exc:

@@ -25,7 +25,7 @@ FALLBACK = {"FSDP": "data-parallel", "DDP/ZeRO-1": "data-parallel", "single": "d
             "data-parallel": "all", "tensor-parallel": "all", "context-parallel": "all", "pipeline": "all"}
 # what the predictions of the published runs depend on besides the traced model code (checked apart)
 INPUT_FILES = ("plan/costing/collectives.py", "plan/costing/compose.py", "plan/costing/memory.py",
-               "plan/costing/time.py", "plan/search.py", "plan/inputs/hardware.py", "gpu_catalog.py",
+               "plan/costing/time.py", "plan/search.py", "plan/job.py", "plan/inputs/hardware.py", "gpu_catalog.py",
                "plan/error_bars.py")
 
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
-
-if TYPE_CHECKING:
-    from paratrain.plan.search import Job
+from paratrain.plan.job import Job
 
 
 @functools.lru_cache(maxsize=64)

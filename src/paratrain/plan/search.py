@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.errors import UserError
-from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import DEGREE_NAMES, DIM_NAMES, Layout, subdivision_problem
 from paratrain.parallel.options import (
     AC_MODES,
@@ -30,42 +29,10 @@ from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
 from paratrain.plan.inputs.hardware import HardwareProfile
+from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
 from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
-
-
-@dataclass
-class Job:
-    args: ModelArgs
-    model_name: str
-    gpus: int
-    seq_len: int
-    global_batch: int
-    dtype: str = "bf16"
-    device_type: str = "cuda"
-    mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
-    hf_config: str | None = None  # the model came from this config.json (not a preset)
-    compile: bool = False  # torch.compile (time model: fused memory-bound ops)
-    # priced, not run by paratrain's runtime: TP collectives overlapped with the matmuls (torch's micro-pipelined
-    # async TP, torch._inductor.config._micro_pipeline_tp; needs compile and SP), and ZeRO-1 run as a distributed
-    # optimizer (gradients reduce-scattered and parameters all-gathered once per step, both overlapped)
-    async_tp: bool = False
-    dist_optimizer: bool = False
-
-    def layout_options(self) -> dict:
-        """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
-        return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
-
-    def model_flags(self) -> list[str]:
-        """How `paratrain train` names this model: the preset, or (hf:) the config file it was read from."""
-        return ["--model", f"hf:{self.hf_config}"] if self.hf_config else ["--model", self.model_name]
-
-    @property
-    def flops_per_token(self) -> float:
-        from paratrain.models.presets import flops_per_token
-
-        return flops_per_token(self.args, self.seq_len)
 
 
 @dataclass

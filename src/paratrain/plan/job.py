@@ -1,0 +1,40 @@
+"""What a plan is asked about: the model, the devices, the batch and the run options every candidate shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.models.args import ModelArgs
+
+
+@dataclass
+class Job:
+    args: ModelArgs
+    model_name: str
+    gpus: int
+    seq_len: int
+    global_batch: int
+    dtype: str = "bf16"
+    device_type: str = "cuda"
+    mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
+    hf_config: str | None = None  # the model came from this config.json (not a preset)
+    compile: bool = False  # torch.compile (time model: fused memory-bound ops)
+    # priced, not run by paratrain's runtime: TP collectives overlapped with the matmuls (torch's micro-pipelined
+    # async TP, torch._inductor.config._micro_pipeline_tp; needs compile and SP), and ZeRO-1 run as a distributed
+    # optimizer (gradients reduce-scattered and parameters all-gathered once per step, both overlapped)
+    async_tp: bool = False
+    dist_optimizer: bool = False
+
+    def layout_options(self) -> dict:
+        """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
+        return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
+
+    def model_flags(self) -> list[str]:
+        """How `paratrain train` names this model: the preset, or (hf:) the config file it was read from."""
+        return ["--model", f"hf:{self.hf_config}"] if self.hf_config else ["--model", self.model_name]
+
+    @property
+    def flops_per_token(self) -> float:
+        from paratrain.models.presets import flops_per_token
+
+        return flops_per_token(self.args, self.seq_len)
