@@ -117,16 +117,22 @@ class _Progress:
             self.bar.stop()
 
 
+def input_files(files: list[str | Path], command: str) -> list[Path]:
+    """The text files a `data` command reads: at least one, each an existing file."""
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise UserError(f"{command} needs at least one input file")
+    for p in paths:
+        if not p.is_file():
+            raise UserError(f"input file not found: {p}")
+    return paths
+
+
 def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Path, eot: str | None = None,
                    progress: bool | None = None, chunk_chars: int = CHUNK_CHARS) -> dict:
     """Tokenize `files` into `out` (flat uint16/uint32) and write the sidecar; returns the sidecar dict."""
     tok_file, tok = load_tokenizer(tokenizer)
-    paths = [Path(f) for f in files]
-    if not paths:
-        raise UserError("data prepare needs at least one input file")
-    for p in paths:
-        if not p.is_file():
-            raise UserError(f"input file not found: {p}")
+    paths = input_files(files, "data prepare")
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 65536 else np.uint32
     eot_id = pick_eot(tok, eot)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError
 from paratrain.interop.optional import require
+from paratrain.interop.prepare_tokens import input_files
 
 EOT = "<|endoftext|>"
 BYTES = 256
@@ -22,12 +23,7 @@ def train_tokenizer(files: list[str | Path], out: str | Path, vocab_size: int) -
     if not BYTES + 1 <= vocab_size <= MAX_VOCAB:
         raise UserError(f"--vocab-size {vocab_size}: give {BYTES + 1}..{MAX_VOCAB} (the {BYTES} bytes, "
                         f"{EOT}, then the merges)")
-    paths = [Path(f) for f in files]
-    if not paths:
-        raise UserError("data tokenizer needs at least one input text file")
-    for p in paths:
-        if not p.is_file():
-            raise UserError(f"input file not found: {p}")
+    paths = input_files(files, "data tokenizer")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: exists and is not a directory (the tokenizer.json goes inside)")
