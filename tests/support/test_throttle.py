@@ -3,8 +3,6 @@ attached through the around_compute hook."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -28,29 +26,32 @@ def test_slowdown_setting_names_ranks_and_refuses_bad_entries(monkeypatch):
 
 
 def test_throttle_stretches_measured_compute(monkeypatch):
+    """Each micro-batch's measured compute is followed by a pause of (factor - 1) x it; nothing without a throttle.
+    The pauses are recorded, not slept, so no speed is asserted."""
+    import support.throttle as throttle_module
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 64))
-    batch = BatchSource(SyntheticMarkov(64, 64, seed=0), 8, 0, 1, 8).next_step()
+    micro_batches = BatchSource(SyntheticMarkov(64, 64, seed=0), 8, 0, 1, 4).next_step()
+    pauses: list[float] = []
+    monkeypatch.setattr(throttle_module.time, "sleep", pauses.append)
 
-    def fastest(throttle) -> float:
+    def run(throttle) -> None:
         hooks = Hooks()
         attach(hooks, throttle)
-        runner = PlainStep(model, torch.device("cpu"), "fp32", False, hooks=hooks)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            runner.forward_backward(batch)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        PlainStep(model, torch.device("cpu"), "fp32", False, hooks=hooks).forward_backward(micro_batches)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the throttle's CPU clock counts this thread: one compute thread, as in rank runs
     try:
+        run(None)
+        assert pauses == []
         throttle = Throttle(3.0, "cpu")
-        plain, slowed = fastest(None), fastest(throttle)
+        run(throttle)
         with pytest.raises(UserError, match="OMP_NUM_THREADS=1"):
             torch.set_num_threads(2)
             Throttle.for_rank(0, "cpu", "0:2")
     finally:
         torch.set_num_threads(threads)
-    assert slowed >= 1.5 * plain and throttle.slept_s > 0, (plain, slowed)
+    assert len(pauses) == len(micro_batches) == 2 and all(p > 0 for p in pauses), pauses
+    assert sum(pauses) == pytest.approx(throttle.slept_s)
