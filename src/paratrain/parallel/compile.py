@@ -22,15 +22,17 @@ def apply_compile(model: nn.Module, fullgraph: bool = True, whole: bool = False,
     """Replace every block in `model.layers` by its compiled version (an OptimizedModule); a block under full
     activation checkpointing keeps its checkpoint outside and has the module inside compiled.
 
-    whole=True (one device, no wrapper hooks to keep outside): the whole model is compiled in place
-    (Module.compile, names unchanged), so the embedding, the final norm and the head fuse too; `mode`:
-    torch.compile's mode ("reduce-overhead": CUDA graphs, --cuda-graphs).
+    whole=True (one device, no wrapper hooks to keep outside): the model's forward is compiled in place (names
+    unchanged), so the embedding, the final norm and the head fuse too; `mode`: torch.compile's mode
+    ("reduce-overhead": CUDA graphs, --cuda-graphs). Its forward, not Module.compile's whole call: hooks on the
+    model itself (the doctor's phase timers, which synchronize the GPU) then run eagerly around the graph
+    instead of breaking it.
 
     Parameter names gain `_orig_mod.`; DCP state dicts and verify strip it, so checkpoints load with or
     without --compile. fullgraph=True: a graph break inside a block is a bug we want to hear about.
     """
     if whole:
-        model.compile(fullgraph=fullgraph, mode=mode)
+        model.forward = torch.compile(model.forward, fullgraph=fullgraph, mode=mode)
         log.info("compiled the whole model with torch.compile%s", f" (mode={mode})" if mode else "")
         return model
     layers = getattr(model, "layers", None)
@@ -73,6 +75,11 @@ def compile_loss(loss_fn):
     """The compiled loss: fuses the fp32 upcast of the logits with the cross-entropy, so the
     (tokens x vocab) fp32 copy is never materialised; for large vocabularies that is a big slice of step time."""
     return torch.compile(loss_fn, fullgraph=True)
+
+
+def is_whole_compiled(model: nn.Module) -> bool:
+    """apply_compile(whole=True) replaced the model's forward by its compiled version."""
+    return "forward" in vars(model)
 
 
 def is_compiled(block: nn.Module) -> bool:

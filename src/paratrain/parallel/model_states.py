@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from paratrain.parallel.collective_device import collective_device
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -57,8 +59,7 @@ def gather_model_state_bytes(model_parts, optimizers) -> dict:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         rows = [mine]
     else:
-        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        local = torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=backend_device)
+        local = torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=collective_device())
         table = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(table, local)
         rows = [{k: int(v) for k, v in zip(keys, row.tolist())} for row in table]

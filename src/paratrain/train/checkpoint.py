@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from paratrain.errors import UserError
+from paratrain.parallel.collective_device import collective_device
 
 log = logging.getLogger("paratrain")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -137,7 +138,7 @@ def _all_ok(ok: bool) -> bool:
     """True only if every rank says ok (so no rank goes on while another failed)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag)
     return int(flag.item()) == 0
 
@@ -224,7 +225,7 @@ def new_run_id() -> str:
         value = os.environ.get(var)
         if value and value != "none":
             return f"{var.split('_')[0].lower()}-{value}"
-    draw = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    draw = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=collective_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(draw, src=0)
     return f"local-{int(draw.item()):016x}"

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from paratrain.parallel.collective_device import collective_device
+
 log = logging.getLogger("paratrain")
 
 # cause -> (threshold, what the value is); a window over it counts towards an alert
@@ -181,9 +183,7 @@ class Monitor:
 def gather_busy(busy: float) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [busy]
-    # gloo and nccl both take a CPU tensor on gloo; under nccl it must live on the device
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=collective_device())
     out[dist.get_rank()] = busy
     dist.all_reduce(out)
     return out.tolist()

@@ -35,13 +35,13 @@ class Tolerance:
         return cls()
 
     @classmethod
-    def from_floor(cls, floor: dict, multiple: float = FLOOR_MULTIPLE) -> Tolerance:
+    def from_floor(cls, floor: dict, multiple: float = FLOOR_MULTIPLE, basis: str = "noise floor") -> Tolerance:
         """multiple x the floor of each metric, never tighter than fp32's bound."""
         base = cls()
         pick = {f: max(getattr(base, f), multiple * floor[k]) for f, k in
                 (("loss_rtol", "loss"), ("grad_rtol", "grad"), ("grad_norm_rtol", "grad_norm"),
                  ("param_rtol", "param"), ("act_rtol", "act"))}
-        return cls(loss_atol=base.loss_atol, param_atol=base.param_atol, basis=f"{multiple:g} x noise floor", **pick)
+        return cls(loss_atol=base.loss_atol, param_atol=base.param_atol, basis=f"{multiple:g} x {basis}", **pick)
 
     def to_dict(self) -> dict:
         return asdict(self)

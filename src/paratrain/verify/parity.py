@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from paratrain.errors import UserError
 from paratrain.verify.compare import (
+    FLOOR_MULTIPLE,
     Tolerance,
     compare_step,
     divergence,
@@ -102,13 +103,14 @@ def reference_config(cfg, dtype: str):
                                   "dp_batch_split": None, "pp_layers": None})
 
 
-def reference_run(cfg, rt, dtype: str, fingerprints: bool) -> dict:
-    """The single-device run on this rank (rank 0): every step's record plus the step's own parameter update."""
+def reference_run(cfg, rt, dtype: str, fingerprints: bool, repeat: int = 0) -> dict:
+    """The single-device run on this rank (rank 0): every step's record plus the step's own parameter update.
+    repeat > 0: that many-th run of the same reference again (not the cached one), for the run-to-run floor."""
     from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.trainer import Trainer
 
     ref_cfg = reference_config(cfg, dtype)
-    key = json.dumps([ref_cfg.model_dump(), fingerprints], sort_keys=True, default=str)
+    key = json.dumps([ref_cfg.model_dump(), fingerprints, repeat], sort_keys=True, default=str)
     if key in _REFERENCES:
         return _REFERENCES[key]
     trainer = Trainer(ref_cfg, rt, quiet=True, layout=resolve_layout(ref_cfg, 1))
@@ -126,6 +128,13 @@ def reference_run(cfg, rt, dtype: str, fingerprints: bool) -> dict:
         _REFERENCES.pop(next(iter(_REFERENCES)))
     _REFERENCES[key] = run
     return run
+
+
+def run_to_run_varies(device) -> bool:
+    """Whether the same single-device run can land elsewhere when run again: on a GPU some kernels add with
+    atomics in whatever order threads finish (fp32 attention's backward through SDPA's memory-efficient kernel;
+    measured on an H100: 4e-4 relative in attention gradients by step 3). The CPU kernels repeat exactly."""
+    return device.type != "cpu"
 
 
 def noise_floor(same: dict, exact: dict) -> dict:
@@ -159,6 +168,9 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
             reference = reference_run(cfg, rt, cfg.dtype, fingerprints)
             floor = noise_floor(reference, exact)
             tol = tol or Tolerance.from_floor(floor, floor_multiple(layout))
+        elif run_to_run_varies(rt.device):
+            floor = noise_floor(reference_run(cfg, rt, "fp32", fingerprints, repeat=1), exact)
+            tol = tol or Tolerance.from_floor(floor, FLOOR_MULTIPLE, basis="run-to-run noise floor")
         tol = tol or Tolerance.for_dtype(cfg.dtype)
     trainer = Trainer(cfg, rt, quiet=True)
     tp_rank = trainer.layout.coords(rt.rank)["tp"] if trainer.distributed else 0

@@ -65,7 +65,7 @@ def local_fingerprint(output: torch.Tensor, tp_rank: int) -> torch.Tensor | None
     else:
         x = output.detach()
     x = x.double()
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum(),
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(), (x * x).sum(),
                         x.abs().sum()]).cpu()
 
 
