@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 RUNS = Path(__file__).with_name("published_runs.json")
+MOE_FIELDS = ("n_experts", "top_k", "moe_ffn_dim", "n_shared_experts", "n_dense_layers", "router")
 
 
 def flops_per_iteration(formula: str, model: dict, batch: int) -> float:
@@ -76,9 +77,12 @@ def case_job(case: dict, micro_batch: int | None = None):
     from paratrain.plan.search import Job
 
     m = case["model"]
+    # a Mixture of Experts names its experts (models/args.py's field names) in "moe"
+    moe = {k: m["moe"][k] for k in MOE_FIELDS if k in m.get("moe", {})}
     args = ModelArgs(name=case["id"], family=m["family"], vocab_size=m["vocab_size"], dim=m["dim"],
                      n_layers=m["layers"], n_heads=m["heads"], n_kv_heads=m.get("kv_heads"), ffn_dim=m["ffn_dim"],
-                     max_seq_len=m["seq_len"], tie_embeddings=m.get("tie_embeddings", False))
+                     max_seq_len=m["seq_len"], tie_embeddings=m.get("tie_embeddings", False),
+                     attn_head_dim=m.get("head_dim"), **moe)
     # a board variant the source describes (torchtitan's 96 GB HBM2e H100s): its stated memory size and bandwidth
     spec = with_cluster_overrides(get_gpu(case["gpu"]), mem_gib=case.get("gpu_mem_gib"),
                                   mem_bw_gbs=case.get("gpu_mem_bw_gbs"))

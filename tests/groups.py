@@ -38,7 +38,9 @@ VERIFY = {
         {"id": "cp-ulysses2", "strategy": "cp-ulysses", "steps": 3},
         # GPT-2's tied embedding and frozen key bias under every strategy that can hold a tied table
         *[{"id": f"gpt2-{s}", "strategy": s, "model": "gpt2-tiny", "steps": 3} for s in GPT2_TIED],
-        *[{**case, "model": "gpt2-tiny", "steps": 3} for case in GPT2_TIED_PP]],
+        *[{**case, "model": "gpt2-tiny", "steps": 3} for case in GPT2_TIED_PP],
+        # MoE: experts split over both ranks, tokens through the all-to-all (tests/moe/; 4 ranks: moe_worker.py)
+        {"id": "moe-ep2", "strategy": "ep", "model": "moe-tiny", "steps": 3}],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},

@@ -84,7 +84,15 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("resume", Optional[str], _opt(None, "--resume", help="auto | never | PATH")),
     ("out", Optional[str], _opt(None, "--out", help="run directory (default runs/TIME-STRATEGY)")),
     ("seed", Optional[int], _opt(None, "--seed", help="seed for weights and data")),
-    ("data", Optional[str], _opt(None, "--data", help="synthetic | PATH (.bin tokens or a text file)")),
+    ("data", Optional[str], _opt(None, "--data", help="synthetic | PATH | 'A:w,B:w': token .bin, or JSON Lines / "
+                                "Parquet / Arrow / text files (globs, directories) with --tokenizer (docs/data.md)")),
+    ("tokenizer", Optional[str], _opt(None, "--tokenizer", help="directory with a tokenizer.json: documents are "
+                                      "tokenized on the fly")),
+    ("text_field", Optional[str], _opt(None, "--text-field", help="the documents' text column (default text)")),
+    ("data_workers", Optional[int], _opt(None, "--data-workers", help="tokenizer threads of the document loader's "
+                                         "worker process (default 1; 0: load in the training process)")),
+    ("pack", Optional[bool], _opt(None, "--pack/--no-pack", help="pack documents into rows with document masks "
+                                  "(default) or one document per row")),
     ("val_data", Optional[str], _opt(None, "--val-data", help="held-out file for validation (docs/data.md)")),
     ("val_fraction", Optional[float], _opt(None, "--val-fraction", help="hold out this tail fraction of --data")),
     ("eval_every", Optional[int], _opt(None, "--eval-every", help="validate every N steps (and after the last)")),
@@ -100,6 +108,12 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("monitor_windows", Optional[int], _opt(None, "--monitor-windows",
                                             help="consecutive windows over a threshold before an alert (default 3)")),
     ("monitor_port", Optional[int], _opt(None, "--monitor-port", help="serve Prometheus text on 127.0.0.1:PORT")),
+    ("flight_recorder", Optional[bool], _opt(None, "--flight-recorder/--no-flight-recorder",
+                                             help="record each rank's recent collectives to name a stalled or "
+                                                  "dead rank (on by default; docs/reliability.md)")),
+    ("preempt_signal", Optional[str], _opt(None, "--preempt-signal",
+                                           help="USR1 | USR2 | TERM | INT | HUP: on it, checkpoint at the next step "
+                                                "and stop (docs/launch.md)")),
 ]
 
 
@@ -196,7 +210,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     try:
         results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script, predicted_peak), world,
                               cfg.max_restarts,
-                              cfg.timeout_s)
+                              cfg.timeout_s, hang_dir=str(run_dir / "hang"))
     except UserError:
         if created and _holds_nothing_new(run_dir):  # never a run dir a step or a save already wrote to
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -215,6 +229,10 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
         emit_json({k: v for k, v in summary.items() if k != "losses"} | ({"probe": probed} if probed else {}))
+    if summary.get("stopped"):  # preempted (train/preemption.py): its own exit status, the checkpoint saved
+        from paratrain.train.preemption import exit_status
+
+        return exit_status()
 
 
 def _holds_nothing_new(run_dir: Path) -> bool:
@@ -291,16 +309,19 @@ app.add_typer(data_app, name="data")
 
 
 @data_app.command("prepare")
-def data_prepare(files: list[Path] = typer.Argument(..., help="text files; each one is a document"),
+def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each one a document), or JSON Lines "
+                                                    "/ Parquet / Arrow files (each record one)"),
                  tokenizer: Path = typer.Option(..., "--tokenizer", help="a tokenizer.json or its directory"),
                  out: Path = typer.Option(..., "-o", "--out", help="the token file to write (tokens.bin)"),
                  eot: Optional[str] = typer.Option(None, "--eot", help="end-of-text token after each document"),
+                 text_field: str = typer.Option("text", "--text-field",
+                                                help="the text column of JSON Lines / Parquet / Arrow records"),
                  as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
     """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
     setup_cli_logging()
     from paratrain.interop.prepare_tokens import prepare_tokens, sidecar_path
 
-    meta = prepare_tokens(tokenizer, files, out, eot)
+    meta = prepare_tokens(tokenizer, files, out, eot, text_field=text_field)
     log.info("wrote %s: %s tokens (%s), %d document(s), vocab %d; sidecar %s", out, f"{meta['tokens']:,}",
              meta["dtype"], meta["documents"], meta["vocab_size"], sidecar_path(out))
     if as_json:
@@ -347,10 +368,20 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
            probe_rounds: int = typer.Option(3, "--probe-rounds",
                                             help="rounds of counterfactual probe steps (0: exposure only)"),
            html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
+           hang: Optional[Path] = typer.Option(None, "--hang", help="read a hung run's flight-recorder files "
+                                               "(RUNDIR/hang/) and name the rank that stalled or died"),
            as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
            train_opts: dict = None):
     """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
     setup_cli_logging()
+    if hang is not None:
+        from paratrain.doctor.hang import format_hang, hang_report
+
+        report = hang_report(hang)
+        sys.stderr.write(format_hang(report))
+        if as_json:
+            emit_json(report)
+        return
     cfg = resolve_config(train_opts)
     if cfg.strategy == "auto":
         from paratrain.plan.auto import resolve_auto_strategy

@@ -59,6 +59,11 @@ class _RunFields(BaseModel):
     n_layers: int | None = Field(None, ge=1)
     ffn_dim: int | None = Field(None, ge=1)
     data: str = "synthetic"
+    # document data (docs/data.md): a local tokenizer.json, the text column, packing into rows (or one per row)
+    tokenizer: str | None = None
+    text_field: str = "text"
+    pack: bool = True
+    data_workers: int = Field(1, ge=0, le=256)  # tokenizer threads in the loader's worker process (0: in-process)
     seq_len: int = Field(64, ge=2)
     global_batch: int = Field(16, ge=1)
     micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
@@ -134,6 +139,12 @@ class TrainConfig(_WithDegrees):
     monitor_every: int = Field(10, ge=1)
     monitor_windows: int = Field(3, ge=1)
     monitor_port: int | None = Field(None, ge=0, le=65535)
+    # each rank's recent collectives and phases, written under RUNDIR/hang/ when it stops; the launcher names
+    # the rank that stalled or died from them (train/flight_recorder.py, docs/reliability.md)
+    flight_recorder: bool = True
+    # on this signal every rank checkpoints at the next step and the run stops; --resume auto continues it
+    # (train/preemption.py; a Slurm job from `launch slurm` asks for USR1 before its time limit)
+    preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] | None = None
 
     @field_validator("*")
     @classmethod

@@ -319,3 +319,15 @@ def test_shapes_fix_on_an_hf_model_names_its_config_json_keys(tmp_path):
     pretrained = context([capture()], model=f"hf:{folder}", init_from=str(folder))
     fix = next(f for f in diagnose(pretrained) if f.cause == "shapes").fix
     assert "--micro-batch" in fix and "intermediate_size" not in fix
+
+
+def test_straggler_is_the_rank_that_arrives_late_not_the_ones_that_wait():
+    # issue 34: rank 1 spends 60 ms more in its optimizer; rank 0 waits that long in the loss all-reduce. Whole
+    # steps are equal, so busy time cannot tell them apart; the time before the loss all-reduce can.
+    # (its profiled ops are the same: a throttled or shared device, which the compute comparison cannot see)
+    late = capture(1, opt=0.08, sync=0.0, iteration=0.16)
+    waits = capture(0, opt=0.02, sync=0.06, iteration=0.16)
+    found = next(f for f in diagnose(context([waits, late], strategy="ddp")) if f.cause == "straggler")
+    assert found.numbers["rank"] == 1 and found.numbers["phase"] == "optimizer", found
+    even = [capture(0, sync=0.01), capture(1, sync=0.01)]  # the fault removed: no straggler
+    assert all(f.cause != "straggler" for f in diagnose(context(even, strategy="ddp")))

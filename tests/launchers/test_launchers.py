@@ -177,6 +177,23 @@ def test_sbatch_gpu_defaults_and_mig():
     assert "the gres type must be your site's name" in mig
 
 
+
+def test_sbatch_asks_for_a_signal_before_its_end_and_requeues():
+    """Issue 37: a warning signal, the trap that passes it to the ranks (torchrun ignores it), and the requeue
+    on preempted.json; --preempt-signal picks the signal. The real thing: test_real_slurm.py."""
+    script = generated("slurm", "--gpus-per-node", "2", "--device", "cpu", *TRAIN)
+    directives = sbatch_directives(script)
+    assert directives["signal"] == "B:USR1@120" and directives["open-mode"] == "append"
+    assert "#SBATCH --requeue" in script.splitlines()
+    assert same_run(script.split("<<'PARATRAIN_CONFIG_EOF'\n")[1].split("PARATRAIN_CONFIG_EOF")[0],
+                    preempt_signal="USR1")
+    assert "trap on_preempt USR1" in script and """bash -c 'trap "" USR1; exec "$@"' paratrain-rank""" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "exit 75" in script
+    usr2 = generated("slurm", "--gpus-per-node", "2", "--device", "cpu", "--preempt-signal", "USR2", *TRAIN)
+    assert sbatch_directives(usr2)["signal"] == "B:USR2@120" and "trap on_preempt USR2" in usr2
+    bash_syntax_ok(usr2)
+
+
 def test_skypilot_cpu_task():
     doc = yaml.safe_load(generated("skypilot", "--gpus-per-node", "2", "--device", "cpu", *TRAIN))
     assert doc["resources"] == {"cpus": "2+"} and doc["envs"]["OMP_NUM_THREADS"] == "1"

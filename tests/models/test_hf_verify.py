@@ -46,7 +46,8 @@ def test_every_strategy_matches_one_device(runs):
         assert report["passed"] is True and report["first_divergence"] is None, (name, report)
         # activations were compared too, module by module, and differ only by float rounding
         assert report["compared"]["activations"] is True and report["max_act_rel_diff"] < 1e-5, (name, report)
-    assert runs["clean"]["llama/dp_shard2xtp2"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert runs["clean"]["llama/dp_shard2xtp2"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
+                                                            "ep": 1, "tp": 2}
     assert runs["clean"]["qwen2/cp-ulysses"]["dims"]["cp"] == 4
     assert runs["clean"]["llama/pp-1f1b"]["dims"]["pp"] == 2 and runs["clean"]["llama/pp-1f1b"]["compared"]["model_parts"] == 1
     # the tied head: one sharded table under tp-sp (and FSDP over it), a summed copy on the last pipeline stage

@@ -159,7 +159,7 @@ def test_verify_three_d_mesh_eight_ranks(cli):
     """dp_shard 2 x cp 2 x tp 2: FSDP over dp_shard_cp, ring attention on each TP rank's local heads."""
     report = _verify(cli, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--tp", "2",
                      "--nproc", "8", "--steps", "2", "--timeout-s", "300", timeout=580)
-    assert report["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert report["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "ep": 1, "tp": 2}
 
 
 def test_bad_cp_layouts_fail_before_launch(monkeypatch):

@@ -38,7 +38,8 @@ def test_zero_stages_and_hsdp_match_single_device_at_four_ranks(four_ranks):
     assert sorted(reports) == ["hsdp", "hsdp-tied", "zero1", "zero2", "zero3"]
     for report in reports.values():
         assert report["passed"], report
-    assert reports["hsdp"]["dims"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
+    assert reports["hsdp"]["dims"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "ep": 1,
+                                        "tp": 1}
 
 
 @pytest.mark.timeout(200)

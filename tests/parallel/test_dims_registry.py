@@ -90,21 +90,22 @@ def test_a_launched_job_writes_a_registered_degree_on_its_train_line(registered)
     slurm = registered["slurm"]
     assert slurm["code"] == 0, slurm["err"]
     train_line = next(line for line in slurm["out"].splitlines() if line.startswith("srun "))
-    assert train_line.endswith("--xx 2") and "xx = 2" in slurm["out"]
+    assert train_line.removesuffix(" &").endswith("--xx 2") and "xx = 2" in slurm["out"]  # srun runs in the background
 
 
 def test_a_dimension_inside_the_data_parallel_ranks_adds_none_and_must_divide_them(registered):
     """Expert parallelism's shape (DESIGN.md `--ep`): a degree that subdivides other dims' ranks."""
     assert "yy" not in registered["mesh"] and registered["yy_world"] == 4
-    assert registered["yy_resolved"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "yy": 2, "cp": 1,
+    assert registered["yy_resolved"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "yy": 2, "cp": 1, "ep": 1,
                                            "xx": 1, "tp": 1}
     assert "--yy 4 must divide the dp_replicate x dp_shard ranks (2)" in registered["yy_refused"]
 
 
-def test_the_five_dimensions_in_mesh_order_and_their_references_resolve():
+def test_the_five_world_dimensions_and_ep_in_mesh_order_and_their_references_resolve():
     assert [d.name for d in mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
-    assert [d.name for d in all_dims()] == ["dp_replicate", "dp_shard", "tp", "pp", "cp"]  # as options list them
-    assert all(d.world_factor for d in dims_in_mesh_order())
+    # as options list them; ep (expert parallelism) adds no ranks
+    assert [d.name for d in all_dims()] == ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"]
+    assert [d.name for d in dims_in_mesh_order() if not d.world_factor] == ["ep"]
     for dim in all_dims():
         for ref in (dim.check, dim.apply, dim.cost):
             if ref:

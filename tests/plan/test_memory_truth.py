@@ -2,7 +2,8 @@
 
 Reference: calibrate/harness.py runs the real Trainer (2 gloo ranks, one process group for every config) under a
 LiveTensorTracker and reports each rank's peak live bytes over a steady-state step. Tolerance: 10% on the
-busiest rank, for two model sizes (tiny, and `small`: 4 layers, d=256, vocab 4096), plus the GPT-2 family.
+busiest rank, for two model sizes (tiny, and `small`: 4 layers, d=256, vocab 4096), plus the GPT-2 family and an
+MoE (moe-tiny: one device, zero3, and --ep over both ranks).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ TOLERANCE = 0.10
 
 
 GPT2 = [("single", {}), ("tp-sp", {}), ("zero3", {})]  # the GPT-2 family (LayerNorm, GELU, learned positions)
+MOE = [("single", {}), ("zero3", {}), ("ep", {})]  # Mixture of Experts: routed copies, experts split under --ep
 
 
 def _configs():
     cfgs = []
-    for model, seq, batch, micro in MODELS + [("gpt2-tiny", 64, 8, 4)]:
-        for strategy, extra in (GPT2 if model.startswith("gpt2") else STRATEGIES):
+    for model, seq, batch, micro in MODELS + [("gpt2-tiny", 64, 8, 4), ("moe-tiny", 64, 8, 4)]:
+        for strategy, extra in (GPT2 if model.startswith("gpt2") else MOE if model.startswith("moe") else STRATEGIES):
             fields = {"model": model, "seq_len": seq, "global_batch": batch, "micro_batch": micro,
                       "strategy": strategy, "nproc": 2, "device": "cpu", "timeout_s": 120, **extra}
             cfgs.append(TrainConfig(**fields))

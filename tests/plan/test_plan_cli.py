@@ -28,7 +28,7 @@ def test_llama3_8b_on_8_h100(cli_inproc):
         assert all(k in cand for k in CONTRACT), set(CONTRACT) - set(cand)
         assert all(k in cand["memory_gib"] for k in MEMORY)
         assert cand["reasons"] and all(isinstance(r, str) and r for r in cand["reasons"])
-        assert set(cand["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
+        assert set(cand["dims"]) == {"pp", "dp_replicate", "dp_shard", "cp", "ep", "tp"}
         parts = sum(cand["memory_gib"][k] for k in MEMORY[:-1])
         assert parts == pytest.approx(cand["memory_gib"]["total"], abs=1e-3)
     feasible = [c for c in cands if c["feasible"]]

@@ -59,17 +59,20 @@ def test_straggler_and_prometheus_endpoint_in_process(tmp_path):
             for step in range(1, 9):
                 monitor.observe({"step": step, "step_time_s": 0.1, "data_wait_s": 0.0, "tokens_per_s": 1000.0})
             assert monitor.alerts == []
-            # rank 1 busy 1.5x the median for two windows: a straggler alert naming it
-            for busy in ([0.2, 0.3], [0.2, 0.3]):
-                monitor.report({"step": 10, "step_time_s": 0.1, "tokens_per_s": 1000.0, "mfu": None,
-                                "breakdown": {"data_wait": 0.0, "forward_backward": 0.8, "optimizer": 0.1,
-                                              "loss_sync": 0.0}, "busy_s_per_rank": busy})
-            assert [(a["cause"], a["rank"]) for a in monitor.alerts] == [("straggler", 1)]
+            # rank 1's own work 1.5x the other's for two windows, its excess in the optimizer: an alert naming both
+            phases = [{"forward_backward": 0.15, "optimizer": 0.05, "loss_sync": 0.1},
+                      {"forward_backward": 0.15, "optimizer": 0.15, "loss_sync": 0.0}]
+            for busy in ([0.3, 0.3], [0.3, 0.3]):
+                monitor.report({"step": 10, "steps": 2, "step_time_s": 0.15, "tokens_per_s": 1000.0, "mfu": None,
+                                "breakdown": {"data_wait": 0.0, "forward_backward": 0.5, "optimizer": 0.17,
+                                              "loss_sync": 0.33}, "busy_s_per_rank": busy,
+                                "own_s_per_rank": [0.2, 0.3], "phase_s_per_rank": phases})
+            assert [(a["cause"], a["rank"], a["phase"]) for a in monitor.alerts] == [("straggler", 1, "optimizer")]
             port = monitor.server.server_address[1]
             assert monitor.server.server_address[0] == "127.0.0.1"
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             assert 'paratrain_alerts_total{cause="straggler"} 1' in text
-            assert 'paratrain_rank_busy_seconds{rank="1"} 0.3' in text
+            assert 'paratrain_rank_own_seconds{rank="1"} 0.3' in text
         finally:
             monitor.close()
 

@@ -95,7 +95,8 @@ class CaptureSession:
             timing = trainer.step_runner.last_timing or {}
             row = {"step": step, "step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
                    "iteration_s": now - self._last_end, "pipeline_idle_s": timing.get("idle_s"),
-                   **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES}}
+                   **{f"{p}_s": self.timer.current.get(p, 0.0) for p in PHASES},
+                   **({"expert_load": record["expert_load"]} if "expert_load" in record else {})}
             (self.records if step <= measured_end else self.profiled_records).append(row)
         if step == 1:
             self._stop_counting()

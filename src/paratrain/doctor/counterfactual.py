@@ -116,8 +116,11 @@ def alone_in_turn(trainer, micro_batches) -> dict:
 
 def alone_removable(trainer) -> bool:
     """True where the step can run on one rank alone: plain DDP over a single model (PlainStep)."""
+    from paratrain.parallel.expert_parallel import forward_runs_collectives
+
     return grad_sync_removable(trainer) and len(trainer.step_runner.model_parts) == 1 and \
-        hasattr(trainer.step_runner.model, "module") and dist.is_initialized()
+        hasattr(trainer.step_runner.model, "module") and dist.is_initialized() and \
+        not forward_runs_collectives(trainer.step_runner.model)
 
 
 def run_probes(trainer, micro_batches, rounds: int) -> dict | None:

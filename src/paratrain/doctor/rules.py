@@ -137,9 +137,15 @@ def check_data_loading(ctx: Context) -> Finding | None:
     if cost is not None:
         evidence += f"; the same step on pre-staged data is {_ms(ctx.cost_s('data_loading'))} shorter ({cost:.0%})"
     source = "synthetic data" if ctx.cfg.data == "synthetic" else f"--data {ctx.cfg.data}"
-    fix = (f"make loading cheaper than a step: pre-tokenize into a flat uint16/uint32 .bin and pass --data FILE.bin "
-           f"(memory-mapped, read on the prefetch thread) instead of decoding per batch ({source} now); when the "
-           f"cost is per batch rather than per token, a larger --micro-batch/--global-batch amortizes it")
+    if getattr(ctx.cfg, "tokenizer", None):  # documents tokenized on the fly in the loader's worker process
+        fix = (f"the loader tokenizes documents on the fly ({source}): give it more tokenizer threads with "
+               f"--data-workers N (now {getattr(ctx.cfg, 'data_workers', 1)}), or tokenize once ahead with "
+               f"`paratrain data prepare --tokenizer DIR FILES -o tokens.bin` and train on --data tokens.bin "
+               f"(memory-mapped, no tokenizing per step)")
+    else:
+        fix = (f"make loading cheaper than a step: pre-tokenize into a flat uint16/uint32 .bin and pass --data "
+               f"FILE.bin (memory-mapped, read on the prefetch thread) instead of decoding per batch ({source} now); "
+               f"when the cost is per batch rather than per token, a larger --micro-batch/--global-batch amortizes it")
     return Finding("data_loading", severity, share, evidence, fix,
                    {"data_wait_fraction": share, "data_wait_ms": wait * 1e3, "counterfactual_fraction": cost,
                     "counterfactual_ms": None if cost is None else ctx.cost_s("data_loading") * 1e3})
@@ -343,7 +349,25 @@ def check_allocation(ctx: Context) -> Finding | None:
                 "; or re-weight --dp-batch-split by each rank's speed" if shares else ""),
             {"compute_s_per_rank": computes, **({"sequences_per_rank": shares} if shares else {})}))
     candidates.extend(_gpu_allocation(ctx))
+    candidates.extend(_cpus_given_against_asked(ctx))
     return sort_findings(candidates)[0] if candidates else None
+
+
+def _cpus_given_against_asked(ctx: Context) -> list[Finding]:
+    """What the job asked for (Slurm's CPUs per task) against what a rank was given: the cores its CPU affinity
+    lets it run on (what srun, cgroups or a Kubernetes CPU manager set)."""
+    asked = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    cores = ctx.captures[0]["cores"] if ctx.captures else None
+    if not asked.isdigit() or cores is None or int(asked) <= cores:
+        return []
+    asked_n = int(asked)
+    return [Finding(
+        "allocation", "high" if 2 * cores <= asked_n else "medium", 1 - cores / asked_n,
+        f"the job asked for {asked_n} CPUs per task (SLURM_CPUS_PER_TASK) but this rank may run on {cores} "
+        f"(its CPU affinity): its {ctx.captures[0]['threads']} threads share those",
+        "give the step the job's CPUs: srun --cpus-per-task=\"$SLURM_CPUS_PER_TASK\" (from Slurm 22.05 srun does "
+        "not inherit it; `paratrain launch slurm` writes it), and check the site's binding (--cpu-bind, TaskPlugin)",
+        {"cpus_asked": asked_n, "cores_given": cores})]
 
 
 def _sequences_per_rank(ctx: Context) -> list[int] | None:
@@ -404,8 +428,59 @@ def check_monitoring(ctx: Context) -> Finding | None:
     return None
 
 
+# -- expert imbalance (MoE) -------------------------------------------------------------------------------------
+def check_expert_imbalance(ctx: Context) -> Finding | None:
+    """An MoE layer whose busiest expert takes far more than the mean: under --ep its rank sets every step's
+    pace, and the idle experts learn nothing. Read from the per-layer expert load of the measured steps."""
+    steps = [row for row in ctx.captures[0].get("steps", []) if row.get("expert_load")]
+    if not steps:
+        return None
+    layers = steps[-1]["expert_load"]
+    worst = max(layers, key=lambda layer: layer["max_over_mean"] or 0.0)
+    ratio = worst["max_over_mean"] or 0.0
+    experts = len(worst["tokens_per_expert"])
+    severity = by_threshold(ratio, 2.0, 1.6, 1.4)
+    if severity is None:
+        return None
+    busiest = max(range(experts), key=lambda e: worst["tokens_per_expert"][e])
+    idle = sum(1 for t in worst["tokens_per_expert"] if t == 0)
+    return Finding("expert_imbalance", severity, min(1.0, (ratio - 1.0) / max(1.0, experts - 1.0)),
+                   f"{worst['layer']}: expert {busiest} takes {ratio:.2f}x the mean load "
+                   f"({worst['tokens_per_expert'][busiest]} of {sum(worst['tokens_per_expert'])} routed copies, "
+                   f"{idle} of {experts} experts idle); its rank paces each step under --ep",
+                   "raise the load-balancing loss (aux_loss_coeff), or turn on the auxiliary-loss-free bias "
+                   "update (bias_update_rate, as DeepSeek-V3); check the router's initialisation",
+                   {"layer": worst["layer"], "max_over_mean": ratio, "tokens_per_expert": worst["tokens_per_expert"]})
+
+
+def check_straggler(ctx: Context) -> Finding | None:
+    """One rank arrives late at the step's loss all-reduce, by the same phase: the measure `train --monitor`
+    uses (train/monitor.py straggler): each rank's own work is its time before that all-reduce, not its wait."""
+    from paratrain.train.monitor import THRESHOLDS, straggler
+
+    per_rank = ctx.analysis["per_rank"]
+    computes = [r["seconds"]["compute"] for r in per_rank]
+    if _sequences_per_rank(ctx) or (min(computes) > 0 and max(computes) / min(computes) > 1.5):
+        return None  # a configured uneven split, or uneven compute: check_allocation's finding says it
+    rows = [{"forward_backward": r["phases_s"]["forward"] + r["phases_s"]["backward"],
+             "optimizer": r["phases_s"]["optimizer"], "loss_sync": r["phases_s"]["loss_sync"]} for r in per_rank]
+    own = [row["forward_backward"] + row["optimizer"] for row in rows]
+    found = straggler(own, rows, ctx.analysis["step_time_s"])
+    if found is None or found["excess"] <= THRESHOLDS["straggler"]:
+        return None
+    slow, others = found["rank"], [v for i, v in enumerate(own) if i != found["rank"]]
+    return Finding(
+        # medium at most: a doctor run measures a few steps, where a busy host can make one rank late by chance
+        "straggler", "medium", 0.5 * found["excess"] / (1 + found["excess"]),
+        f"rank {per_rank[slow]['rank']} works {_ms(own[slow])} per step before the loss all-reduce against "
+        f"{_ms(statistics_mean(others))} for the others, most of the difference in {found['phase']}; the others "
+        "wait for it in every collective",
+        "check for other jobs or throttling on that rank's cores/GPU, and what that rank alone does in that phase",
+        {"own_s_per_rank": own, "rank": per_rank[slow]["rank"], "phase": found["phase"]})
+
+
 RULES = (check_small_compute, check_data_loading, check_shapes, check_memory, check_communication,
-         check_allocation, check_monitoring)
+         check_allocation, check_monitoring, check_expert_imbalance, check_straggler)
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:

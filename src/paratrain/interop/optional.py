@@ -6,7 +6,7 @@ import importlib
 
 from paratrain.errors import UserError
 
-EXTRA_OF = {"safetensors": "hf", "transformers": "hf", "tokenizers": "hf"}
+EXTRA_OF = {"safetensors": "hf", "transformers": "hf", "tokenizers": "hf", "datasets": "data"}
 
 
 def require(module: str, feature: str):

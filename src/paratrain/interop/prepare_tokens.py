@@ -1,7 +1,8 @@
 """`paratrain data prepare`: text files -> nanoGPT-style flat tokens (tokens.bin) + a JSON sidecar.
 
-Tokenizes with a local `tokenizer.json` (the `tokenizers` library; nothing is downloaded). Each input file is
-one document, followed by the end-of-text token when the vocabulary has one. Large files are encoded in
+Tokenizes with a local `tokenizer.json` (the `tokenizers` library; nothing is downloaded). Each record of a JSON
+Lines / Parquet / Arrow file is one document (its --text-field), and so is each other input file; every document
+is followed by the end-of-text token when the vocabulary has one. Large files are encoded in
 chunks cut at line ends, written as they go; a progress bar shows on stderr for inputs over 8 MB. The sidecar
 `tokens.bin.json` (written last) says how to read the tokens and what made them: dtype, vocab size, token and
 document counts, and the tokenizer's sha256, so `train` can check the vocabulary against the model.
@@ -128,9 +129,43 @@ def input_files(files: list[str | Path], command: str) -> list[Path]:
     return paths
 
 
+RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def record_texts(path: Path, text_field: str):
+    """Each record's `text_field` of a JSON Lines / Parquet / Arrow file, streamed through `datasets` (local)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    datasets = require("datasets", f"data prepare on {path.suffix} files")
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(RECORD_FORMATS[path.suffix.lower()], data_files=[str(path)], split="train",
+                                     streaming=True)
+        for row in rows:
+            if not isinstance(row.get(text_field), str):
+                raise UserError(f"{path}: a record has no text field {text_field!r} (it has "
+                                f"{', '.join(sorted(row)) or 'none'}); name it with --text-field")
+            yield row[text_field]
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the library raises many types for an unreadable file
+        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def documents_of(path: Path, chunk_chars: int, text_field: str):
+    """A file's documents, each as text pieces: every record of a JSON Lines / Parquet / Arrow file, or the
+    whole of any other file (in chunks)."""
+    if path.suffix.lower() in RECORD_FORMATS:
+        for text in record_texts(path, text_field):
+            yield [text]
+    else:
+        yield read_chunks(path, chunk_chars)
+
+
 def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Path, eot: str | None = None,
-                   progress: bool | None = None, chunk_chars: int = CHUNK_CHARS) -> dict:
-    """Tokenize `files` into `out` (flat uint16/uint32) and write the sidecar; returns the sidecar dict."""
+                   progress: bool | None = None, chunk_chars: int = CHUNK_CHARS, text_field: str = "text") -> dict:
+    """Tokenize `files` into `out` (flat uint16/uint32) and write the sidecar; returns the sidecar dict. A JSON
+    Lines / Parquet / Arrow file holds one document per record (its `text_field`); any other file is one."""
     tok_file, tok = load_tokenizer(tokenizer)
     paths = input_files(files, "data prepare")
     vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -142,27 +177,30 @@ def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Pa
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     bar = _Progress(total_bytes, progress)
-    count, sources = 0, []
+    count, sources, documents = 0, [], 0
     try:
         with partial.open("wb") as f:
             for p in paths:
-                n_before = count
-                for chunk in read_chunks(p, chunk_chars):
-                    ids = np.asarray(tok.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
-                    ids.tofile(f)
-                    count += len(ids)
-                    bar.advance(len(chunk.encode("utf-8", errors="replace")))
-                if eot_id is not None:
-                    np.asarray([eot_id], dtype=dtype).tofile(f)
-                    count += 1
-                sources.append({"path": str(p), "bytes": p.stat().st_size, "tokens": count - n_before})
+                n_before, docs_before = count, documents
+                for pieces in documents_of(p, chunk_chars, text_field):
+                    for chunk in pieces:
+                        ids = np.asarray(tok.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
+                        ids.tofile(f)
+                        count += len(ids)
+                        bar.advance(len(chunk.encode("utf-8", errors="replace")))
+                    if eot_id is not None:
+                        np.asarray([eot_id], dtype=dtype).tofile(f)
+                        count += 1
+                    documents += 1
+                sources.append({"path": str(p), "bytes": p.stat().st_size, "tokens": count - n_before,
+                                "documents": documents - docs_before})
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:
         bar.close()
     meta = {"format": FORMAT, "version": 1, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokens": count,
-            "documents": len(paths), "eot_id": eot_id, "tokenizer": str(tok_file),
+            "documents": documents, "eot_id": eot_id, "tokenizer": str(tok_file),
             "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(), "sources": sources}
     os.replace(partial, out)
     side = sidecar_path(out)

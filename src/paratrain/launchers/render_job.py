@@ -61,6 +61,8 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
                               "--accelerator": opts.accelerator, "--cloud": opts.cloud, "--queue": opts.queue})
     resources = node_resources(target, cfg.device, opts.gpus_per_node, opts.cpus_per_task, opts.mig, opts.gpu_share)
     cfg = scale_default_batch(cfg, opts.nodes * opts.gpus_per_node, batch_given)
+    if target == "slurm" and cfg.preempt_signal is None:  # the job asks Slurm for it before its time limit
+        cfg = cfg.model_copy(update={"preempt_signal": "USR1"})
     validate_for_cluster(cfg, opts.nodes * opts.gpus_per_node)
     job = JobSpec(
         name=name,
@@ -77,7 +79,7 @@ def render_launch(target: str, cfg, opts: LaunchOptions, batch_given: bool = Tru
     if target == "slurm":
         from paratrain.launchers.slurm import render_sbatch
 
-        return render_sbatch(job, opts.partition, opts.account, opts.time_limit)
+        return render_sbatch(job, opts.partition, opts.account, opts.time_limit, cfg.preempt_signal)
     if target == "k8s":
         from paratrain.launchers.kubernetes import render_pytorchjob, render_trainjob
 

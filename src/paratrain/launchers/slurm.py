@@ -13,6 +13,7 @@ from paratrain.launchers.common import JobSpec, ShellWord, shell_join, torchrun_
 from paratrain.launchers.resources import NodeResources
 
 HEREDOC = "PARATRAIN_CONFIG_EOF"
+PREEMPT_LEAD_S = 120  # seconds between the signal and the time limit: a step plus a checkpoint must fit
 
 
 def gpu_directives(node: NodeResources) -> list[str]:
@@ -25,11 +26,39 @@ def gpu_directives(node: NodeResources) -> list[str]:
     return [f"--gpus-per-node={node.ranks}"]
 
 
+def preemption_lines(sig: str, srun: str) -> list[str]:
+    """srun in the background; the trap passes the signal to the ranks (torchrun ignores it, so only the
+    trainers, train/preemption.py, act on it: checkpoint at the next step, write preempted.json, exit 0); then
+    the job requeues itself and resumes from that checkpoint (--resume auto)."""
+    from paratrain.train.preemption import EXIT_PREEMPTED
+
+    return [
+        f"# On SIG{sig} (from Slurm {PREEMPT_LEAD_S} s before the time limit, or `scancel --signal={sig} --batch JOBID`)",
+        "# every rank checkpoints at the next step and stops; then this job requeues itself and resumes there.",
+        f'on_preempt() {{ echo "paratrain: SIG{sig}: checkpointing at the next step" >&2; '
+        f'kill -{sig} "$SRUN_PID" 2>/dev/null || true; }}',
+        f"trap on_preempt {sig}",
+        f"{srun} &",
+        "SRUN_PID=$!",
+        "while true; do  # a trapped signal interrupts `wait`: wait again until srun has ended",
+        '  STATUS=0; wait "$SRUN_PID" || STATUS=$?',
+        '  kill -0 "$SRUN_PID" 2>/dev/null || break',
+        "done",
+        'if [ -f "$RUN_DIR/preempted.json" ]; then',
+        '  echo "paratrain: preempted after a checkpoint; requeueing job $SLURM_JOB_ID" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        f"  exit {EXIT_PREEMPTED}",
+        "fi",
+        'exit "$STATUS"',
+    ]
+
+
 def render_sbatch(
     job: JobSpec,
     partition: str | None = None,
     account: str | None = None,
     time_limit: str = "24:00:00",
+    preempt_signal: str = "USR1",
 ) -> str:
     if HEREDOC in job.config_toml:
         raise UserError(f"a config value contains {HEREDOC}, the marker that ends the embedded config")
@@ -42,12 +71,18 @@ def render_sbatch(
         f"--cpus-per-task={node.cpus}",
         f"--time={time_limit}",
         f"--output={job.name}-%j.out",
+        # preemption and the time limit: the signal to this script PREEMPT_LEAD_S before the end; a requeued job
+        # appends to its output
+        f"--signal=B:{preempt_signal}@{PREEMPT_LEAD_S}",
+        "--requeue",
+        "--open-mode=append",
     ]
     directives += [f"--partition={partition}"] if partition else []
     directives += [f"--account={account}"] if account else []
     # the default names the job id (ours, expanded); a user's directory is one quoted word
     default_dir = shlex.quote(job.out) if job.out else f'"runs/{job.name}-$SLURM_JOB_ID"'
     launch = [
+        "bash", "-c", f'trap "" {preempt_signal}; exec "$@"', "paratrain-rank",  # torchrun ignores the signal
         *torchrun_args(job.nodes, job.gpus_per_node, job.max_restarts),
         "--rdzv-backend=c10d",
         ShellWord('--rdzv-endpoint="$HEAD_NODE:$PORT"'),
@@ -80,7 +115,8 @@ def render_sbatch(
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "# c10d/TCPStore has no authentication: keep this port on the cluster's private network",
         "# srun gets the task's CPUs explicitly: from Slurm 22.05 it does not inherit --cpus-per-task",
-        f'srun --kill-on-bad-exit=1 --cpus-per-task="${{SLURM_CPUS_PER_TASK:-{node.cpus}}}" {shell_join(launch)}',
+        *preemption_lines(preempt_signal, f'srun --kill-on-bad-exit=1 '
+                          f'--cpus-per-task="${{SLURM_CPUS_PER_TASK:-{node.cpus}}}" {shell_join(launch)}'),
         "",
     ]
     return "\n".join(lines)

@@ -22,6 +22,29 @@ class ModelArgs:
     rope_theta: float = 10000.0
     family: str = "llama"  # "llama" (this file) or "gpt2" (models/gpt2.py: LayerNorm, GELU, learned positions)
     tie_embeddings: bool = False  # the output head shares the token table (paratrain's Llama builds it untied)
+    attn_head_dim: int | None = None  # a head size other than dim / n_heads (Qwen3: 128 at hidden 2048, 32 heads)
+    # Mixture of Experts (models/moe.py); n_experts 0: a dense model
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # each routed expert's hidden size (0: ffn_dim)
+    n_shared_experts: int = 0  # experts every token passes through (DeepSeek), each of moe_ffn_dim
+    n_dense_layers: int = 0  # the first layers keep a dense FFN of ffn_dim (DeepSeek-V3: 3)
+    router: str = "softmax"  # "softmax" top-k (Mixtral, Qwen3-MoE, OLMoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk: bool = True  # renormalise the k chosen gates to sum to 1
+    aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / GShard), over the tokens of all data ranks
+    bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): router bias step per update
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor x T x k / E tokens
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe and index >= self.n_dense_layers
 
     @property
     def kv_heads(self) -> int:
@@ -29,7 +52,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     def check_tp_divides(self, tp: int) -> None:
         """Tensor parallelism splits heads, kv heads, the ffn and the vocab tp ways: each must divide evenly."""

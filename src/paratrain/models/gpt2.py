@@ -43,13 +43,13 @@ class GPT2Attention(nn.Module):
         self.wo = nn.Linear(inner, args.dim)
         self.attn_fn = causal_sdpa
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its local heads
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        out = self.attn_fn(q, k, v)
+        out = self.attn_fn(q, k, v) if doc_ids is None else self.attn_fn(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -71,8 +71,8 @@ class GPT2Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = GPT2MLP(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -105,10 +105,12 @@ class GPT2(nn.Module):
                     scale = std / (2 * self.args.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
                     p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) ids, or hidden states on a later pipeline stage.
 
-        positions: global token positions (seq,) when the sequence is sharded (context parallel).
+        positions, doc_ids: as the Llama decoder's (models/llama.py): global positions under context parallel,
+        or per-document positions and document ids of packed rows.
         """
         if self.tok_embeddings is not None:
             if positions is None:
@@ -117,6 +119,6 @@ class GPT2(nn.Module):
         else:
             h = tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, doc_ids=doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -79,9 +79,18 @@ class HFCausalLM(nn.Module):
         """Route every attention call through the function registered under `name` in transformers' registry."""
         self.hf.config._attn_implementation = name
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        position_ids = None if positions is None else positions.unsqueeze(0).expand(tokens.shape[0], -1)
-        return self.hf(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: (seq,) global positions, or (batch, seq) per-document ones with doc_ids (packed rows), which
+        become a 4-D block-diagonal causal mask (transformers uses a 4-D mask as given)."""
+        if positions is not None and positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        if doc_ids is None:
+            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        from paratrain.models.llama import document_mask
+
+        return self.hf(input_ids=tokens, position_ids=positions, attention_mask=document_mask(doc_ids),
+                       use_cache=False).logits
 
 
 def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:

@@ -60,9 +60,67 @@ def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None 
         if args.dim % heads or heads % args.kv_heads:
             raise UserError(f"{where}: hidden_size {args.dim} / {heads} heads / {args.kv_heads} kv heads do not divide")
         return args
+    if kind in MOE_TYPES:
+        return moe_args_from_hf_config(doc, where, name, seq_len)
     from paratrain.models.hf_args import args_from_doc  # transformers' config classes: imported only here
 
     return args_from_doc(doc, name, seq_len)
+
+
+# model_type -> (experts key, expert hidden size key, router): the MoE fields of each config family
+MOE_TYPES = {"qwen3_moe": ("num_experts", "moe_intermediate_size", "softmax"),
+             "mixtral": ("num_local_experts", "intermediate_size", "softmax"),
+             "olmoe": ("num_experts", "intermediate_size", "softmax"),
+             "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "sigmoid")}
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _mla_head_dim(doc: dict, heads: int, kv: int, dim: int) -> int:
+    """DeepSeek's multi-head latent attention as grouped-query attention of (about) its parameters: the head
+    size whose q, k, v and o projections hold as many weights as MLA's low-rank ones."""
+    q_head = int(doc.get("qk_nope_head_dim", 128)) + int(doc.get("qk_rope_head_dim", 64))
+    q_rank, kv_rank, v_head = int(doc.get("q_lora_rank") or 0), int(doc.get("kv_lora_rank", 512)), \
+        int(doc.get("v_head_dim", 128))
+    q = dim * q_rank + q_rank * heads * q_head if q_rank else dim * heads * q_head
+    kv_params = dim * (kv_rank + int(doc.get("qk_rope_head_dim", 64))) + \
+        kv_rank * heads * (int(doc.get("qk_nope_head_dim", 128)) + v_head)
+    o = heads * v_head * dim
+    return max(2, round((q + kv_params + o) / (2 * dim * (heads + kv)) / 2) * 2)
+
+
+def moe_args_from_hf_config(doc: dict, where: str, name: str, seq_len: int | None) -> ModelArgs:
+    """Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 configs: the attention of a Llama, MoE feed-forwards."""
+    kind = doc["model_type"]
+    experts_key, hidden_key, router = MOE_TYPES[kind]
+    heads = _need(doc, "num_attention_heads", where)
+    kv = int(doc.get("num_key_value_heads") or heads)
+    dim = _need(doc, "hidden_size", where)
+    head_dim = doc.get("head_dim")
+    if kind == "deepseek_v3":
+        head_dim = _mla_head_dim(doc, heads, kv, dim)
+    dense_layers = int(doc.get("first_k_dense_replace", 0) or 0)
+    if kind == "qwen3_moe" and (doc.get("mlp_only_layers") or int(doc.get("decoder_sparse_step", 1)) != 1):
+        raise UserError(f"{where}: qwen3_moe with dense layers between MoE ones (mlp_only_layers, "
+                        "decoder_sparse_step) is not supported")
+    # transformers 5 writes some families' expert count under another name (qwen3_moe: num_local_experts)
+    experts_key = next((k for k in (experts_key, *EXPERT_COUNT_KEYS) if doc.get(k) is not None), experts_key)
+    expert_dim = _need(doc, hidden_key, where)
+    args = ModelArgs(name=name, family="llama", vocab_size=_need(doc, "vocab_size", where), dim=dim,
+                     n_layers=_need(doc, "num_hidden_layers", where), n_heads=heads, n_kv_heads=kv,
+                     attn_head_dim=int(head_dim) if head_dim and int(head_dim) != dim // heads else None,
+                     ffn_dim=int(doc.get("intermediate_size") or expert_dim), moe_ffn_dim=expert_dim,
+                     max_seq_len=max(int(doc.get("max_position_embeddings") or 4096), seq_len or 0),
+                     norm_eps=float(doc.get("rms_norm_eps", LLAMA_NORM_EPS)), rope_theta=_rope_theta(doc),
+                     tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
+                     n_experts=_need(doc, experts_key, where), top_k=_need(doc, "num_experts_per_tok", where),
+                     n_shared_experts=int(doc.get("n_shared_experts") or 0), n_dense_layers=dense_layers,
+                     router=router, norm_topk=bool(doc.get("norm_topk_prob", kind != "olmoe")),
+                     aux_loss_coeff=float(doc.get("router_aux_loss_coef", 0.01) or 0.0))
+    if heads % kv:
+        raise UserError(f"{where}: {heads} heads / {kv} kv heads do not divide")
+    return args
 
 
 def hf_model_args(spec: str, seq_len: int | None = None) -> ModelArgs:

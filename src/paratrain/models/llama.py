@@ -15,9 +15,19 @@ from torch import nn
 from paratrain.models.args import ModelArgs
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Default attention: q, k, v are (batch, heads, seq, head_dim) with equal head counts."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool: a query sees the keys of its own document up to itself (block-diagonal causal)."""
+    seq = doc_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    return (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Default attention: q, k, v are (batch, heads, seq, head_dim) with equal head counts. With document ids
+    (packed rows), attention stays inside each document."""
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids))
 
 
 def rope_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +74,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.attn_fn = causal_sdpa
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its local heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -75,7 +86,9 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=2)
             v = v.repeat_interleave(groups, dim=2)
-        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # document ids only when the batch has them: a swapped-in attention need not know of them otherwise
+        out = self.attn_fn(q, k, v) if doc_ids is None else self.attn_fn(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -98,8 +111,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -126,16 +140,19 @@ class Transformer(nn.Module):
                 scale = std / (2 * self.args.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) ids, or hidden states on a later pipeline stage.
 
-        positions: global token positions (seq,) when the sequence is sharded (context parallel).
+        positions: global token positions (seq,) when the sequence is sharded (context parallel), or each token's
+        position inside its document (batch, seq) for packed rows. doc_ids: (batch, seq) document ids of packed
+        rows (the whole row's under context parallelism): attention never crosses a document.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_tables(self.args.head_dim, positions, self.args.rope_theta)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_ids=doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

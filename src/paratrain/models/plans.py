@@ -78,10 +78,31 @@ def stage_edge_plan(model: nn.Module, sp: bool, block_extra_args: int) -> dict:
     return plan
 
 
+def moe_block_plan(sp: bool) -> dict:
+    """A block whose feed-forward is MoE (models/moe.py): attention as block_plan; the router and experts whole
+    on every tp rank (as torchtitan without expert-tensor parallelism), fed the whole sequence under SP."""
+    stream = Shard(1) if sp else Replicate()
+    plan = {path: style for path, style in block_plan(sp).items() if not path.startswith("feed_forward")}
+    plan["feed_forward"] = PrepareModuleInputOutput(
+        input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=not sp)
+    for part in ("feed_forward.router.gate", "feed_forward.experts", "feed_forward.shared"):
+        plan[part] = ReplicateParallel(local_inputs=part.endswith("experts"))
+    return plan
+
+
 def llama_tp_plan(model: Transformer, tp: int, sp: bool = False, loss_parallel: bool = False) -> dict:
     """The whole Llama model's plan, keyed by paths parallelize_module understands ("layers.*.attention.wq")."""
     model.args.check_tp_divides(tp)
-    plan = {f"layers.*.{path}": style for path, style in block_plan(sp).items()}
+    if model.args.moe:
+        plan = {}
+        for index, block in model.layers.items():
+            moe = model.args.is_moe_layer(int(index))
+            for path, style in (moe_block_plan(sp) if moe else block_plan(sp)).items():
+                if path != "feed_forward.shared" or getattr(block.feed_forward, "shared", None) is not None:
+                    plan[f"layers.{index}.{path}"] = style
+    else:
+        plan = {f"layers.*.{path}": style for path, style in block_plan(sp).items()}
     plan.update(stage_edge_plan(model, sp, block_extra_args=2))
     if model.tok_embeddings is not None:
         # vocab-sharded table: each rank looks up its rows, the partial sums are reduced (or reduce-scattered)

@@ -47,6 +47,22 @@ PRESETS: dict[str, ModelArgs] = {
                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama2-70b": ModelArgs(name="llama2-70b", vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                             ffn_dim=28672, max_seq_len=4096),
+    # Mixture of Experts (models/moe.py): 4 experts, top-2, for tests and CPU runs of --ep
+    "moe-tiny": ModelArgs(name="moe-tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
+                          max_seq_len=1024, n_experts=4, top_k=2, moe_ffn_dim=64),
+    # published MoE shapes, for planning: 46.7 B / 12.9 B active
+    "mixtral-8x7b": ModelArgs(name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2),
+    # 30.5 B / 3.3 B active; head size 128 (not hidden / heads)
+    "qwen3-30b-a3b": ModelArgs(name="qwen3-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32,
+                               n_kv_heads=4, attn_head_dim=128, ffn_dim=6144, max_seq_len=40960, rope_theta=1e6,
+                               n_experts=128, top_k=8, moe_ffn_dim=768, norm_eps=1e-6),
+    # DeepSeek-V3's MoE (256 routed + 1 shared expert, top-8 sigmoid, 3 dense layers): 671 B / 37 B active. Its
+    # MLA attention is stood in for by grouped-query attention of the same parameters (~187 M a layer)
+    "deepseek-v3-like": ModelArgs(name="deepseek-v3-like", vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
+                                  n_kv_heads=8, attn_head_dim=96, ffn_dim=18432, max_seq_len=4096, n_experts=256,
+                                  top_k=8, moe_ffn_dim=2048, n_shared_experts=1, n_dense_layers=3, router="sigmoid",
+                                  aux_loss_coeff=1e-4, bias_update_rate=1e-3),
 }
 
 
@@ -94,6 +110,10 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int |
             from paratrain.models.gpt2 import GPT2
 
             model = GPT2(args)
+        elif args.moe:
+            from paratrain.models.moe import MoETransformer
+
+            model = MoETransformer(args)
         else:
             model = Transformer(args)
     if str(device) != "meta" and seed is not None:
@@ -101,17 +121,28 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int |
     return model
 
 
-def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
+def count_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
+    """Every parameter; active=True: those one token uses (of an MoE layer's experts only its top-k)."""
     if args.family == "gpt2":
         return count_gpt2_params(args, include_embedding)
     d, h = args.dim, args.head_dim
     attn = d * args.n_heads * h * 2 + d * args.kv_heads * h * 2
-    mlp = 3 * d * args.ffn_dim
-    per_layer = attn + mlp + 2 * d
-    total = args.n_layers * per_layer + d + args.vocab_size * d
+    moe_layers = args.n_layers - args.n_dense_layers if args.moe else 0
+    per_expert = 3 * d * args.expert_dim
+    routed = args.top_k if active else args.n_experts
+    moe_mlp = d * args.n_experts + (routed + args.n_shared_experts) * per_expert
+    mlp = (args.n_layers - moe_layers) * 3 * d * args.ffn_dim + moe_layers * moe_mlp
+    total = args.n_layers * (attn + 2 * d) + mlp + d + args.vocab_size * d
     # a tied head is the token table (Qwen2-0.5B, Llama-3.2-1B): one matrix, counted once
     return total + (args.vocab_size * d if include_embedding and not args.tie_embeddings else 0)
 
 
+def expert_params(args: ModelArgs) -> int:
+    """The routed experts' parameters (what --ep splits)."""
+    return (args.n_layers - args.n_dense_layers) * args.n_experts * 3 * args.dim * args.expert_dim if args.moe else 0
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    return 6.0 * count_params(args, include_embedding=False) + 12.0 * args.n_layers * args.dim * seq_len
+    """Training FLOPs per token; of an MoE layer only the top-k experts a token reaches count."""
+    attention = 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6.0 * count_params(args, include_embedding=False, active=True) + attention

@@ -15,11 +15,18 @@ class ReplicateParallel(ParallelStyle):
     For layers between the sharded ones (e.g. norms without sequence parallel): every parameter then is a
     DTensor on the same mesh, which foreach optimizers, grad-norm clipping and FSDP's 2-D sharding need.
     Costs no communication: inputs are wrapped as Replicate, outputs handed back as local tensors.
+    local_inputs: inputs stay local tensors (a module that reads its weights' local values itself, as MoE
+    experts do).
     """
+
+    def __init__(self, local_inputs: bool = False):
+        super().__init__()
+        self.local_inputs = local_inputs
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         # no partition_fn: distribute_module replicates every parameter (broadcast from tp rank 0)
-        return distribute_module(module, device_mesh, input_fn=_inputs_as_replicate, output_fn=_output_as_local)
+        return distribute_module(module, device_mesh, input_fn=None if self.local_inputs else _inputs_as_replicate,
+                                 output_fn=_output_as_local)
 
 
 def _inputs_as_replicate(module: nn.Module, inputs: tuple, mesh) -> tuple:

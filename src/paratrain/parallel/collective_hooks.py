@@ -11,7 +11,8 @@ or a test registered one: train/hooks.py, docs/hooks.md) it only calls `run`. An
 (a dropped collective: return None, the site then acts as if nothing moved), or change `call.tensors` in place
 before or after it. Interceptors act process-wide: a collective deep inside an optimizer or an attention
 function knows no trainer. Collectives issued inside torch (DDP's bucket all-reduces, FSDP's all-gathers,
-DTensor's redistributions) do not pass here; they are reached through the trainer's after_parallelize hook.
+DTensor's redistributions) do not pass here; they are reached through the trainer's after_parallelize hook, and
+PyTorch's flight recorder sees them at the process-group level (train/flight_recorder.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def add_interceptor(fn: Callable) -> Callable[[], None]:
 
 def set_step(step: int) -> None:
     _step[0] = step
+
+
+def current_step() -> int:
+    """The optimizer step being run (1 for the first; 0 before training)."""
+    return _step[0]
 
 
 def collective(purpose: str, dim: str, op: str, group, run: Callable, tensors: tuple = (), src: int | None = None):

@@ -28,6 +28,8 @@ class Dim:
     # subdivides: it adds no ranks and its degree divides their product (expert parallelism over the
     # data-parallel ranks, as torchtitan does)
     within: tuple[str, ...] = ()
+    # a dim with `within` also gets a device mesh of its own: Layout.with_mesh splits the ranks of its `within`
+    # dims (adjacent in the mesh) into (<name>_rest, <name>), <name> innermost; Layout.submesh names both
     check: str | None = None  # check(args, layout, seq_len): UserError if the model cannot be split this way
     apply: str | None = None  # the apply_* that realises it
     cost: str | None = None  # the planner's cost term that prices it
@@ -63,6 +65,12 @@ _REGISTRY: list[Dim] = [
         cost="paratrain.plan.costing.time:pipeline_factor"),
     Dim("cp", "context-parallel degree", mesh_order=30, check="paratrain.parallel.checks:check_cp",
         apply="paratrain.parallel.context_parallel:apply_cp", cost="paratrain.plan.costing.time:chunk_time"),
+    # expert parallelism: each MoE layer's experts split over ep of the data-parallel ranks (as torchtitan does);
+    # the expert weights are FSDP-sharded over the other dp_shard x cp / ep ranks
+    Dim("ep", "expert-parallel degree (MoE models: experts split over this many data-parallel ranks)",
+        mesh_order=35, within=("dp_shard", "cp"), fix_help="fix: expert-parallel degree",
+        check="paratrain.parallel.expert_parallel:check_ep", apply="paratrain.parallel.expert_parallel:apply_ep",
+        cost="paratrain.plan.costing.time:moe_all_to_all"),
 ]
 _read = False
 

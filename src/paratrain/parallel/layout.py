@@ -75,6 +75,8 @@ class Layout:
     dp_micro_batches: tuple[int, ...] = ()
     pp_layers: tuple[int, ...] = ()
     mesh: object = field(default=None, repr=False, compare=False, hash=False)
+    # per dim that adds no ranks (dims.py `within`) and is > 1: its ranks' mesh split as (<name>_rest, <name>)
+    split_meshes: dict = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for dim in DEGREE_DIMS:
@@ -184,6 +186,8 @@ class Layout:
     @property
     def strategy(self) -> str:
         """The `--strategy` name that, with the degrees given explicitly, runs this layout."""
+        if getattr(self, "ep", 1) > 1 and self.dp_replicate == 1:
+            return "ep"
         if self.dp_shard > 1:
             if self.dp_replicate > 1:
                 return "hsdp"
@@ -248,10 +252,35 @@ class Layout:
             if len(present) > 1:
                 mesh[present]._flatten(flat, backend_override=override)
         log.info("device mesh %s", dict(zip(names, shape)))
-        return dataclasses.replace(self, mesh=mesh)
+        return dataclasses.replace(self, mesh=mesh, split_meshes=self._split_meshes(mesh, override))
+
+    def _split_meshes(self, mesh, override) -> dict:
+        """For each dim that adds no ranks: the ranks of its `within` dims as a 2-D mesh (<name>_rest, <name>),
+        the dim innermost (an expert-parallel group is neighbouring ranks, inside a node where it can be)."""
+        out = {}
+        for dim in _SUBDIVIDING:
+            degree = getattr(self, dim.name)
+            present = tuple(p for p in dim.within if getattr(self, p) > 1)
+            if degree == 1 or not present:
+                continue
+            flat = next((n for n, parts in FLATTENED.items() if parts == present), None)
+            parent = mesh[present[0]] if len(present) == 1 else mesh[flat or present]
+            if len(present) > 1 and flat is None:
+                parent = parent._flatten("_".join(present), backend_override=override)
+            rest = f"{dim.name}_rest"
+            out[dim.name] = parent._unflatten(0, (parent.size() // degree, degree), (rest, dim.name),
+                                              backend_override={rest: override, dim.name: override})
+        return out
 
     def submesh(self, name: str):
-        """A named (possibly flattened) sub-mesh, or None when that group is trivial here."""
+        """A named (possibly flattened) sub-mesh, or None when that group is trivial here. A dim that adds no
+        ranks (and its complement, <name>_rest: possibly of size 1) comes from its split mesh."""
+        for dim in _SUBDIVIDING:
+            if name in (dim.name, f"{dim.name}_rest"):
+                split = (self.split_meshes or {}).get(dim.name)
+                if split is None and getattr(self, dim.name) > 1 and self.world > 1:
+                    raise RuntimeError("Layout.with_mesh() has not been called")
+                return None if split is None else split[name]
         present = [p for p in GROUP_DIMS[name] if getattr(self, p) > 1]
         if not present:
             return None

@@ -1,6 +1,6 @@
 """parallelize(): apply every parallel technique to a plain model, in one fixed order.
 
-Order: pipeline split (done by the caller, per stage) -> TP/SP -> CP -> activation checkpointing ->
+Order: pipeline split (done by the caller, per stage) -> TP/SP -> CP -> EP -> activation checkpointing ->
 compile -> FSDP/ZeRO or DDP. Data parallelism wraps last so it sees the already-sharded parameters.
 """
 
@@ -22,6 +22,16 @@ def parallelize(model: nn.Module, layout: Layout, tp_plan: dict | None = None) -
         from paratrain.parallel.context_parallel import apply_cp
 
         model = apply_cp(model, layout.submesh("cp"), impl=layout.cp_impl)
+    from paratrain.parallel.expert_parallel import attach_moe, moe_modules
+
+    if moe_modules(model):
+        attach_moe(model, layout)
+    if getattr(layout, "ep", 1) > 1:
+        from paratrain.parallel.data_parallel import mixed_precision_policy
+        from paratrain.parallel.expert_parallel import apply_ep
+
+        model = apply_ep(model, layout.submesh("ep"), layout.submesh("ep_rest"), layout.group_size("dp_cp"),
+                         reshard_after_forward=layout.zero_stage != 2, mp_policy=mixed_precision_policy(layout.dtype))
     if layout.ac != "none":
         from paratrain.parallel.activation_checkpoint import apply_ac
 

@@ -59,6 +59,23 @@ def _causal_mask(rank: int, cp: int, c: int, device) -> torch.Tensor:
     return pos[:, None] >= pos[None, :]
 
 
+def _document_mask(rank: int, src: int, cp: int, c: int, doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, 2c, 2c): our queries against src's keys, causal by global position and inside one document.
+    doc_ids: (batch, seq) of the whole row, in natural order."""
+    q_pos = zigzag_positions(2 * cp * c, cp, rank, doc_ids.device)
+    k_pos = zigzag_positions(2 * cp * c, cp, src, doc_ids.device)
+    same_doc = doc_ids[:, q_pos][:, None, :, None] == doc_ids[:, k_pos][:, None, None, :]
+    return same_doc & (q_pos[:, None] >= k_pos[None, :])
+
+
+def _block_mask(step: int, rank: int, cp: int, c: int, device, doc_ids):
+    """The mask of the block held at `step` over its region (None: the whole region is visible)."""
+    rows, cols, masked = _block_region(step, rank, cp, c)
+    if doc_ids is not None:
+        return _document_mask(rank, (rank - step) % cp, cp, c, doc_ids)[..., rows, cols]
+    return _causal_mask(rank, cp, c, device) if masked else None
+
+
 def _attend_block(q, k, v, scale: float, mask):
     """Softmax attention of q over one K/V block: (output, log-sum-exp of the scores) in fp32."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -66,9 +83,11 @@ def _attend_block(q, k, v, scale: float, mask):
         scores = scores.masked_fill(~mask, float("-inf"))
     # FlashAttention's order: unnormalised exp(s - max) @ V, divided by the row sum afterwards
     row_max = scores.amax(dim=-1, keepdim=True)
+    # a query with no visible key in this block (another document's): output 0, log-sum-exp -inf
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     row_sum = weights.sum(dim=-1, keepdim=True)
-    return torch.matmul(weights, v) / row_sum, row_max + torch.log(row_sum)
+    return torch.matmul(weights, v) / row_sum.clamp_min(torch.finfo(row_sum.dtype).tiny), row_max + torch.log(row_sum)
 
 
 def _merge_into(out, lse, block_out, block_lse) -> None:
@@ -93,7 +112,7 @@ def _grad_block(q, k, v, dout, lse, delta, scale: float, mask):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: CPComm):
+    def forward(ctx, q, k, v, ring: CPComm, doc_ids=None):
         cp, rank = ring.size, ring.rank
         batch, heads, seq_local, _ = q.shape
         if seq_local % 2:
@@ -111,19 +130,19 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < cp:
                     next_kv, works = ring.shift(kv, _KV_TAG)
                 # Phase 2: attend to the block we hold, with the mask shape this step calls for.
-                rows, cols, masked = _block_region(step, rank, cp, c)
-                mask = _causal_mask(rank, cp, c, q.device) if masked else None
+                rows, cols, _ = _block_region(step, rank, cp, c)
+                mask = _block_mask(step, rank, cp, c, q.device, doc_ids)
                 k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
                 for tile in ring.row_tiles(_row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads)):
                     block_out, block_lse = _attend_block(qf[..., tile, :], k_blk, v_blk, scale,
-                                                         mask[tile] if masked else None)
+                                                         _tile_of(mask, tile, rows))
                     # Phase 3: merge the partial result into the running output by log-sum-exp.
                     _merge_into(out[..., tile, :], lse[..., tile, :], block_out, block_lse)
                 if step + 1 < cp:
                     wait_all(works)
                     kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.doc_ids = ring, doc_ids
         return out.to(q.dtype)
 
     @staticmethod
@@ -145,14 +164,14 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < cp:
                     next_kv, kv_works = ring.shift(kv, _KV_TAG)
                 # Phase 2: this block's gradients; dQ belongs to our queries and accumulates here.
-                rows, cols, masked = _block_region(step, rank, cp, c)
-                mask = _causal_mask(rank, cp, c, q.device) if masked else None
+                rows, cols, _ = _block_region(step, rank, cp, c)
+                mask = _block_mask(step, rank, cp, c, q.device, ctx.doc_ids)
                 k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
                 dkv = torch.zeros_like(kv)
                 for tile in ring.row_tiles(_row_tiles(rows, seq_local, k_blk.shape[-2], batch * heads)):
                     bdq, bdk, bdv = _grad_block(qf[..., tile, :], k_blk, v_blk, doutf[..., tile, :],
                                                 lse[..., tile, :], delta[..., tile, :], scale,
-                                                mask[tile] if masked else None)
+                                                _tile_of(mask, tile, rows))
                     dq[..., tile, :] += bdq
                     dkv[0][..., cols, :] += bdk
                     dkv[1][..., cols, :] += bdv
@@ -171,10 +190,19 @@ class RingAttention(torch.autograd.Function):
             # Phase 5: after cp hops every block's dK/dV has come home.
             if dkv_works is not None:
                 wait_all(dkv_works)
-        return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def _tile_of(mask, tile: slice, rows: slice):
+    """A tile's rows of a block mask whose first row is the region's first (`rows`)."""
+    if mask is None:
+        return None
+    start = rows.start or 0
+    return mask[..., tile.start - start:tile.stop - start, :]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc_ids=None) -> torch.Tensor:
     """Causal attention over the whole (zigzag-sharded) sequence; q, k, v: (batch, heads, seq_local, dim).
-    `group`: the cp process group, or a CPComm standing for one."""
-    return RingAttention.apply(q, k, v, cp_comm(group))
+    `group`: the cp process group, or a CPComm standing for one. doc_ids: (batch, seq) document ids of the whole
+    row (packed data): attention also stays inside each document."""
+    return RingAttention.apply(q, k, v, cp_comm(group), doc_ids)

@@ -25,6 +25,7 @@ class Strategy:
     cp_impl: str | None = None  # None: the --cp-impl option decides
     naive_pipeline: bool = False  # one micro-batch through GPipe: plain model parallelism
     one_device: bool = False  # runs on one device whatever --nproc says
+    fills: str | None = None  # a dim that adds no ranks, set (unless given) to all the ranks it may subdivide
 
 
 STRATEGY_TABLE: dict[str, Strategy] = {
@@ -41,6 +42,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "pp": Strategy("pp", "dp_replicate"),
     "cp-ring": Strategy("cp", "dp_shard", cp_impl="ring"),
     "cp-ulysses": Strategy("cp", "dp_shard", cp_impl="ulysses"),
+    "ep": Strategy("dp_shard", "dp_shard", zero_stage=3, fills="ep"),
 }
 
 
@@ -103,7 +105,18 @@ def resolve_degrees(strategy: str, world_size: int, given: dict[str, int | None]
         shown = " x ".join(f"{n}={v}" for n, v in out.items() if v > 1) or "all 1"
         raise UserError(f"parallel degrees multiply to {product} ({shown}) but the world size is {world_size}")
     subdividing = {n: given.get(n) or 1 for n in DEGREE_NAMES if n not in out}  # dims that add no ranks
+    if row.fills and given.get(row.fills) is None:
+        subdividing[row.fills] = subdivided_ranks(row.fills, out)
     return {n: out[n] if n in out else subdividing[n] for n in DEGREE_NAMES}
+
+
+def subdivided_ranks(name: str, degrees: dict[str, int]) -> int:
+    from paratrain.parallel.dims import dim_named
+
+    product = 1
+    for d in dim_named(name).within:
+        product *= degrees[d]
+    return product
 
 
 def resolve_microbatches(naive: bool, microbatches: int | None, micro_batch: int | None, local_batch: int,

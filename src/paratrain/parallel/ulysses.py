@@ -45,9 +45,10 @@ def check_ulysses_heads(heads: int, cp: int) -> None:
                         f"cp={cp}; use --cp-impl ring or a cp that divides {heads}")
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc_ids=None) -> torch.Tensor:
     """Causal attention over the whole sequence; q, k, v: (batch, heads, seq_local, dim), zigzag-sharded.
-    `group`: the cp process group, or a CPComm standing for one."""
+    `group`: the cp process group, or a CPComm standing for one. doc_ids: (batch, seq) document ids of the whole
+    row in natural order (packed data): attention also stays inside each document."""
     comm = cp_comm(group)
     cp = comm.size
     heads, seq_local = q.shape[1], q.shape[2]
@@ -63,7 +64,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) 
     full = full.index_select(3, natural)
 
     # Phase 2: plain causal attention over the full sequence for our heads.
-    out = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True)
+    if doc_ids is None:
+        out = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True)
+    else:
+        seq = doc_ids.shape[-1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        mask = (doc_ids[:, None, :, None] == doc_ids[:, None, None, :]) & causal
+        out = F.scaled_dot_product_attention(full[0], full[1], full[2], attn_mask=mask)
 
     # Phase 3: head-sharded -> sequence-sharded. Slot j carries rank j's tokens back to it.
     out = out.index_select(2, layout).unflatten(2, (cp, seq_local)).movedim(2, 0)  # (cp, b, h/cp, s_local, d)

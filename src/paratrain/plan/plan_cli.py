@@ -184,7 +184,7 @@ def format_error_bars(candidates: list[dict]) -> list[str]:
 def format_plan(doc: dict) -> str:
     """The human view (stderr): one line per candidate, then the first candidate's reasons."""
     c = doc["cluster"]
-    lines = [f"plan: {doc['model']['name']} ({readable_count(doc['model']['params'])} params) on {c['gpus']} x {c['gpu']} "
+    lines = [f"plan: {doc['model']['name']} ({active_note(doc['model'])} params) on {c['gpus']} x {c['gpu']} "
              f"({c['nodes']} node(s) x {c['gpus_per_node']}), seq {doc['job']['seq_len']}, global batch "
              f"{doc['job']['global_batch']}, {doc['job']['dtype']}",
              f"  hardware: {c['profile']}", f"  cluster: {c['assumptions']}"]
@@ -233,3 +233,10 @@ def format_plan(doc: dict) -> str:
         else:
             lines.append(f"  run it: {first['command']}")
     return "\n".join(lines) + "\n"
+
+
+def active_note(model: dict) -> str:
+    """'30.5 B' for a dense model; '30.5 B total, 3.35 B active' for a Mixture of Experts."""
+    total = readable_count(model["params"])
+    active = model.get("active_params", model["params"])
+    return total if active == model["params"] else f"{total} total, {readable_count(active)} active"

@@ -142,7 +142,7 @@ def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exh
 
 
 def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaustive: bool, cluster) -> dict:
-    from paratrain.models.presets import count_params
+    from paratrain.models.presets import count_params, expert_params
 
     found = search_all(job, hw, fixed, exhaustive)
     # only a layout the runtime runs is ever recommended: refused ones come after, and only when none runs
@@ -165,11 +165,14 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
     nodes = math.ceil(job.gpus / gpu.gpus_per_node)
     doc = {
         "model": {"name": job.model_name, "params": count_params(job.args),
+                  "active_params": count_params(job.args, active=True),
                   "params_non_embedding": count_params(job.args, include_embedding=False),
                   "family": job.args.family, "layers": job.args.n_layers, "dim": job.args.dim,
                   "heads": job.args.n_heads, "kv_heads": job.args.kv_heads, "ffn_dim": job.args.ffn_dim,
                   "vocab_size": job.args.vocab_size, "flops_per_token": job.flops_per_token,
-                  "flops_convention": "6*N + 12*layers*dim*seq_len per token; N excludes the input embedding"},
+                  "flops_convention": "6*N + 12*layers*dim*seq_len per token; N excludes the input embedding"
+                                      + ("; of an MoE layer N counts the top-k experts only" if job.args.moe else ""),
+                  **(moe_fields(job.args, expert_params(job.args)) if job.args.moe else {})},
         "cluster": {"gpu": gpu.name, "gpus": job.gpus, "nodes": nodes, "gpus_per_node": gpu.gpus_per_node,
                     "mem_gib": gpu.mem_gib, "peak_tflops": gpu.peak_tflops.get(job.dtype),
                     "intra_node_gbs": gpu.intra_node_gbs, "inter_node_gbs": gpu.inter_node_gbs,
@@ -230,3 +233,10 @@ def memory_by_part(cand: Candidate) -> str:
                                                           ("optimizer", m.optimizer),
                                                           ("activations", m.activations), ("other", m.other)) if v)
     return f"{_gib(m.total)} per GPU ({parts})"
+
+
+def moe_fields(args, experts: int) -> dict:
+    """What `plan --json` says of a Mixture-of-Experts model beyond its total and active parameters."""
+    return {"experts": args.n_experts, "top_k": args.top_k, "shared_experts": args.n_shared_experts,
+            "expert_ffn_dim": args.expert_dim, "moe_layers": args.n_layers - args.n_dense_layers,
+            "expert_params": experts, "router": args.router}

@@ -147,6 +147,21 @@ def _file_sizes(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_STEP * 1_000_000
+
+
+def is_stream_state(state) -> bool:
+    """The document stream's position (train/doc_stream.py StreamState) as JSON: integers only, nothing else."""
+    if not isinstance(state, dict) or set(state) != {"draws", "positions", "carry", "tokens_drawn"}:
+        return False
+    positions, carry, drawn = state["positions"], state["carry"], state["tokens_drawn"]
+    return (_count(state["draws"]) and isinstance(positions, list) and isinstance(carry, list)
+            and isinstance(drawn, list) and len(drawn) == len(positions)
+            and all(isinstance(p, list) and len(p) == 2 and all(map(_count, p)) for p in positions)
+            and all(map(_count, carry)) and all(map(_count, drawn)))
+
+
 def save(ckpt_dir: str | Path, step: int, state: CheckpointState, extra: dict, meta: dict, keep: int) -> Path:
     """Save step N collectively. On failure the previous checkpoints are untouched and UserError is raised.
 
@@ -292,6 +307,8 @@ def _manifest_problem(manifest, confined_name) -> str | None:
     position = data.get("step") if isinstance(data, dict) else None
     if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= MAX_STEP:
         return "'extra.data.step' is not a data position (an integer in 0..2**40)"
+    if data.get("stream") is not None and not is_stream_state(data["stream"]):
+        return "'extra.data.stream' is not a document-stream position (draws, positions, carry, tokens_drawn)"
     if not isinstance(manifest.get("model", {}), dict):
         return "'model' is not a mapping"
     source = manifest.get("model_source", {})

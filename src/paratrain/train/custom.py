@@ -61,6 +61,10 @@ class CustomModel:
         return self.tp_plan(model) if callable(self.tp_plan) else dict(self.tp_plan)
 
     def dataset(self, cfg):
+        from paratrain.train.torch_data import TorchData, is_torch_dataset
+
+        if is_torch_dataset(self.data):  # a torch Dataset / IterableDataset: read by a DataLoader, sharded by us
+            return TorchData(self.data)
         if callable(self.data):
             return FunctionDataset(self.data)
         from paratrain.train.data import make_dataset

@@ -37,17 +37,36 @@ def uniform_hash(seed: int, index: np.ndarray, stream: int | np.ndarray) -> np.n
 
 @dataclass
 class Batch:
-    """A micro-batch: inputs and next-token targets, both (batch, seq) int64."""
+    """A micro-batch: inputs and next-token targets, both (batch, seq) int64. Document data (packed rows) adds
+    each token's position inside its document and its document id (attention stays inside a document), and the
+    global batch's count of real targets (the loss is the mean over them: train/step.py)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
+    global_tokens: int | None = None
+
+    def _map(self, fn) -> Batch:
+        return Batch(fn(self.inputs), fn(self.targets), None if self.positions is None else fn(self.positions),
+                     None if self.doc_ids is None else fn(self.doc_ids), self.global_tokens)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(self.inputs.to(device, non_blocking=non_blocking),
-                     self.targets.to(device, non_blocking=non_blocking))
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
-        return Batch(self.inputs.pin_memory(), self.targets.pin_memory())
+        return self._map(lambda t: t.pin_memory())
+
+    def split(self, micro_batch: int) -> list[Batch]:
+        """Micro-batches of `micro_batch` rows."""
+        count = self.inputs.shape[0] // micro_batch
+        return [self._map(lambda t, i=i: t[i * micro_batch:(i + 1) * micro_batch]) for i in range(count)]
+
+    def model_kwargs(self) -> dict:
+        """What the model takes besides the tokens: per-document positions and document ids (packed rows)."""
+        if self.doc_ids is None:
+            return {}
+        return {"positions": self.positions, "doc_ids": self.doc_ids}
 
 
 class SyntheticMarkov:
@@ -201,6 +220,24 @@ def make_val_dataset(spec: str, val_data: str | None, val_fraction: float, eval_
     return None
 
 
+def rank_slice(global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+               shares: tuple[int, ...] = ()) -> tuple[int, int]:
+    """(rows, first row) of a data-parallel rank's slice of each global batch."""
+    if shares:
+        if len(shares) != dp_size or sum(shares) != global_batch:
+            raise UserError(f"per-rank batches {shares} do not split the global batch {global_batch} "
+                            f"over {dp_size} data-parallel ranks")
+        local, offset = shares[dp_rank], sum(shares[:dp_rank])
+    elif global_batch % dp_size:
+        raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {dp_size}")
+    else:
+        local = global_batch // dp_size
+        offset = dp_rank * local
+    if local % micro_batch:
+        raise UserError(f"per-rank batch {local} is not divisible by micro-batch {micro_batch}")
+    return local, offset
+
+
 class BatchSource:
     """Yields this rank's micro-batches for each optimizer step.
 
@@ -211,18 +248,7 @@ class BatchSource:
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
                  shares: tuple[int, ...] = ()):
-        if shares:
-            if len(shares) != dp_size or sum(shares) != global_batch:
-                raise UserError(f"per-rank batches {shares} do not split the global batch {global_batch} "
-                                f"over {dp_size} data-parallel ranks")
-            self.local, self.offset = shares[dp_rank], sum(shares[:dp_rank])
-        elif global_batch % dp_size:
-            raise UserError(f"global batch {global_batch} is not divisible by the data-parallel degree {dp_size}")
-        else:
-            self.local = global_batch // dp_size
-            self.offset = dp_rank * self.local
-        if self.local % micro_batch:
-            raise UserError(f"per-rank batch {self.local} is not divisible by micro-batch {micro_batch}")
+        self.local, self.offset = rank_slice(global_batch, dp_rank, dp_size, micro_batch, shares)
         self.dataset, self.global_batch = dataset, global_batch
         self.dp_rank, self.micro_batch = dp_rank, micro_batch
         self.step = 0

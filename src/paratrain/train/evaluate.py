@@ -14,8 +14,12 @@ import math
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch, BatchSource, make_val_dataset
-from paratrain.train.step import autocast_context, plain_loss
+from paratrain.train.data import Batch, BatchSource, make_val_dataset, rank_slice
+from paratrain.train.data_loading import uses_documents
+from paratrain.train.doc_sources import is_document_spec
+from paratrain.train.doc_stream import real_tokens, stream_config
+from paratrain.train.step import autocast_context, batch_inputs, plain_loss, real_token_loss
+from paratrain.train.stream_loader import DocumentData
 
 
 class Validator:
@@ -28,6 +32,42 @@ class Validator:
         batch = self.source.rank_batch(index)
         mb = self.source.micro_batch
         return [Batch(i, t) for i, t in zip(batch.inputs.split(mb), batch.targets.split(mb))]
+
+
+class DocumentValidator:
+    """Validation on documents: the first `batches` global batches of the held-out stream (a --val-data file,
+    or the documents --val-fraction holds out of each --data source), packed as in training, built once."""
+
+    def __init__(self, data: DocumentData, global_batch: int, dp_rank: int, dp: int, micro_batch: int,
+                 batches: int, shares: tuple[int, ...] = ()):
+        self.local, self.offset = rank_slice(global_batch, dp_rank, dp, micro_batch, shares)
+        self.data, self.global_batch, self.micro_batch, self.batches = data, global_batch, micro_batch, batches
+        self.rows: list[dict] | None = None
+
+    def micro_batches(self, index: int) -> list[Batch]:
+        if self.rows is None:
+            stream = self.data.open()
+            self.rows = [stream.next_global_batch(self.global_batch) for _ in range(self.batches)]
+        rows = self.rows[index]
+        mine = {k: torch.from_numpy(v[self.offset:self.offset + self.local].copy()) for k, v in rows.items()}
+        batch = Batch(mine["inputs"], mine["targets"], mine["positions"], mine["doc_ids"], real_tokens(rows["targets"]))
+        return batch.split(self.micro_batch)
+
+
+def build_document_validator(cfg, vocab_size: int, dp_rank: int, dp: int, micro: int, shares: tuple[int, ...]):
+    if cfg.val_data and cfg.val_fraction:
+        raise UserError("give --val-data or --val-fraction, not both")
+    if cfg.val_data:
+        stream = stream_config(cfg.val_data, cfg.tokenizer, cfg.seq_len, cfg.seed, cfg.pack, cfg.text_field)
+    elif cfg.val_fraction:
+        stream = stream_config(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.seed, cfg.pack, cfg.text_field, "val",
+                               cfg.val_fraction)
+    elif cfg.eval_every:
+        raise UserError(f"--eval-every needs --val-data or --val-fraction with --data {cfg.data}")
+    else:
+        return None
+    return DocumentValidator(DocumentData(stream, vocab_size), cfg.global_batch, dp_rank, dp, micro,
+                             cfg.val_batches, shares)
 
 
 def validation_batches(cfg, dataset) -> int:
@@ -45,6 +85,8 @@ def validation_batches(cfg, dataset) -> int:
 def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_batch: int | None = None,
                     shares: tuple[int, ...] = ()):
     """The run's Validator, or None when it does not validate. Raises UserError on bad validation options."""
+    if uses_documents(cfg) or (cfg.val_data and is_document_spec(cfg.val_data, cfg.tokenizer)):
+        return build_document_validator(cfg, vocab_size, dp_rank, dp, micro_batch or cfg.global_batch // dp, shares)
     dataset = make_val_dataset(cfg.data, cfg.val_data, cfg.val_fraction, cfg.eval_every, vocab_size, cfg.seq_len,
                                cfg.seed)
     if dataset is None:
@@ -56,12 +98,14 @@ def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_b
 def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
     total = torch.zeros((), device=runner.device)
     for mb in micro:
-        inputs, targets, extra = mb.inputs, mb.targets, {}
-        if runner.prepare_batch is not None:
-            inputs, targets, extra = runner.prepare_batch(inputs, targets)
+        inputs, targets, extra = batch_inputs(runner.prepare_batch, mb)
         with runner.loss_context():  # TP: the logits stay vocab-sharded, as in training
             with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
                 logits = runner.model(inputs, **extra)
+            if mb.global_tokens is not None:  # document data: the mean over the real tokens, as in training
+                total += plain_loss(real_token_loss(runner.loss_fn, logits, targets, mb, runner.loss_reducers)
+                                    .detach().float())
+                continue
             loss = runner.loss_fn(logits, targets).detach().float()
         # --dp-batch-split: weighted by this rank's share, as in training (PlainStep.loss_weight)
         weight = runner.loss_weight

@@ -84,8 +84,12 @@ def _launch_env():
                 os.environ[key] = value
 
 
-def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0, timeout_s: float = 60.0) -> dict:
+def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0, timeout_s: float = 60.0,
+                hang_dir: str | None = None) -> dict:
     """Run entry(*args) on nproc local ranks; returns {rank: return value}.
+
+    `hang_dir`: where the workers' flight recorders write (train/flight_recorder.py); on a failure the last
+    line names the rank that stalled or died, read from there (train/hang_report.py).
 
     Already inside torchrun/srun (RANK and WORLD_SIZE set): run entry once, in this process.
     PARATRAIN_PLUGINS (train/hooks.py) is loaded here first, so a bad entry fails in this process, in one line,
@@ -119,11 +123,22 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
         with _launch_env():
             return elastic_launch(config, _run_with_env)(_worker_env(port), entry, *args)
     except ChildFailedError as exc:
-        raise CheckFailed(_summarise_failure(exc)) from None
+        raise CheckFailed(_with_culprit(_summarise_failure(exc), exc, hang_dir)) from None
     finally:
         for logger, level in zip(noisy, levels):
             logger.setLevel(level)
         del store, sock  # the store owns the listening socket's fd from here on
+
+
+def _with_culprit(summary: str, exc, hang_dir: str | None) -> str:
+    """The culprit first (who stalled or died, read from the flight recorders), then what the first rank saw."""
+    from pathlib import Path
+
+    from paratrain.train.hang_report import hang_line
+
+    exits = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    culprit = hang_line(Path(hang_dir) if hang_dir else None, exits)
+    return f"{culprit} [{summary}]" if culprit else summary
 
 
 def _summarise_failure(exc) -> str:

@@ -2,10 +2,17 @@
 
 Each window of `monitor_every` steps (from step 2: the first includes one-time setup) becomes one `{"event": "monitor", ...}` line in RUNDIR/metrics.jsonl:
 fractions of the step spent waiting for data, in forward+backward, in the optimizer and in the loss sync,
-plus throughput and the slowest rank's busy time against the median rank's. A cause over its threshold for
+plus throughput and each rank's own work per phase. A cause over its threshold for
 `monitor_windows` consecutive windows raises one alert: a line on stderr and an `{"event": "alert"}` line.
 No profiler runs: the timers read `time.perf_counter()` at phase boundaries (no CUDA sync), and the ranks
-exchange one small tensor per window for the straggler check. Each window also carries the monitor's own cost:
+exchange one small tensor per window (each rank's seconds per phase) for the straggler check.
+
+A rank's own work is its time from the step's start to its arrival at the loss all-reduce (forward+backward
+and the optimizer), not its waits there: in a synchronous job the ranks leave each loss all-reduce together, so
+a rank that arrives late by the same phase every step is the straggler, and the others' wait in the loss sync is
+its doing, not the network's. So `loss_sync` is judged by the rank that waited least in it (the last to arrive),
+and `straggler` names the rank and the phase where its time goes. A slowdown before DDP's gradient all-reduce
+makes every rank leave backward together and is not seen this way (docs/monitoring.md). Each window also carries the monitor's own cost:
 `monitor_s`, the seconds spent inside `observe` since the previous window (its bookkeeping, that window's
 collective and writes), and `monitor_overhead`, that over the window's wall time.
 """
@@ -32,8 +39,11 @@ THRESHOLDS = {
     "data_loading": 0.10,      # data wait / step time
     "loss_sync": 0.30,         # the blocking loss all-reduce / step time (the exposed collective we can time)
     "throughput_drop": 0.20,   # 1 - tokens/s / running median of earlier windows
-    "straggler": 0.20,         # slowest rank's busy time / the other ranks' median - 1
+    "straggler": 0.20,         # slowest rank's own work / the other ranks' median - 1
 }
+OWN_PHASES = ("forward_backward", "optimizer")  # before the step's loss all-reduce: each rank's own pace
+# and the straggler's excess must be this share of the step too: tiny steps jitter by more than 20% on a busy host
+STRAGGLER_MIN_SHARE = 0.15
 HISTORY_FOR_DROP = 3  # windows before a throughput median means anything (the first ones include warm-up)
 # Scrapers read the textfile every 15-60 s; rewriting it for every window (a file create and rename, 0.2-1 ms on
 # rank 0 while its peers wait at the next collective) was most of the monitor's own time on 10 ms steps
@@ -74,6 +84,7 @@ class Monitor:
         self.rows: list[dict] = []
         self.throughputs: list[float] = []
         self.streak = dict.fromkeys(THRESHOLDS, 0)
+        self.straggler_rank: int | None = None
         self.alerts: list[dict] = []
         self.prom_path = run_dir / "metrics.prom" if (run_dir and is_main) else None
         self.server = serve_prometheus(port, self) if (port is not None and is_main) else None
@@ -106,7 +117,8 @@ class Monitor:
         rows, self.rows = self.rows, []
         step_s = sum(r["step_time_s"] for r in rows)
         busy = step_s - sum(r["data_wait_s"] for r in rows)
-        per_rank = gather_busy(busy)
+        per_rank_phases = gather_phases(busy, phases)
+        per_rank = [row["busy"] for row in per_rank_phases]
         now = time.perf_counter()
         own, self.own_s = self.own_s + (now - t0), -(now - t0)  # the rest of this call counts towards the next
         wall, self.window_t0 = now - self.window_t0, now
@@ -115,22 +127,31 @@ class Monitor:
                                 **{k: v / step_s for k, v in phases.items()}},
                   "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rows),
                   "mfu": statistics.fmean(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
-                  "busy_s_per_rank": per_rank, "monitor_s": own, "monitor_overhead": own / wall if wall > 0 else 0.0}
+                  "busy_s_per_rank": per_rank,
+                  "own_s_per_rank": [sum(row[p] for p in OWN_PHASES) for row in per_rank_phases],
+                  "phase_s_per_rank": [{p: row[p] for p in phases} for row in per_rank_phases],
+                  "monitor_s": own, "monitor_overhead": own / wall if wall > 0 else 0.0}
         if self.is_main:
             self.report(window)
 
     def report(self, window: dict) -> None:
-        values = {"data_loading": window["breakdown"]["data_wait"], "loss_sync": window["breakdown"]["loss_sync"],
+        step_s = window["step_time_s"] * window["steps"]
+        # the rank that waited least in the loss sync arrived last: its share is what the collective costs
+        least_sync = min(row["loss_sync"] for row in window["phase_s_per_rank"])
+        values = {"data_loading": window["breakdown"]["data_wait"], "loss_sync": least_sync / step_s if step_s else 0.0,
                   "throughput_drop": None, "straggler": None}
         if len(self.throughputs) >= HISTORY_FOR_DROP:
             values["throughput_drop"] = 1.0 - window["tokens_per_s"] / statistics.median(self.throughputs)
         self.throughputs.append(window["tokens_per_s"])
-        ranks = sorted(window["busy_s_per_rank"])
-        if len(ranks) > 1 and statistics.median(ranks[:-1]) > 0:
-            # the slowest rank against the median of the others (with two ranks: against the other one)
-            values["straggler"] = ranks[-1] / statistics.median(ranks[:-1]) - 1.0
+        window["straggler"] = straggler(window["own_s_per_rank"], window["phase_s_per_rank"], step_s)
+        if window["straggler"] is not None:
+            values["straggler"] = window["straggler"]["excess"]
         window["causes"] = values
         self.write(window)
+        # a straggler is one rank, window after window: another rank over the threshold starts a new streak
+        slow_rank = (window.get("straggler") or {}).get("rank")
+        if slow_rank != self.straggler_rank:
+            self.streak["straggler"], self.straggler_rank = 0, slow_rank
         for cause, value in values.items():
             over = value is not None and value > THRESHOLDS[cause]
             self.streak[cause] = self.streak[cause] + 1 if over else 0
@@ -141,11 +162,13 @@ class Monitor:
     def alert(self, cause: str, value: float, window: dict) -> None:
         event = {"event": "alert", "cause": cause, "step": window["step"], "value": value,
                  "threshold": THRESHOLDS[cause], "windows": self.windows}
+        who = ""
         if cause == "straggler":
-            event["rank"] = max(range(len(window["busy_s_per_rank"])), key=window["busy_s_per_rank"].__getitem__)
+            event["rank"], event["phase"] = window["straggler"]["rank"], window["straggler"]["phase"]
+            who = f" rank {event['rank']} in {event['phase']},"
         self.alerts.append(event)
         self.write(event)
-        print(f"paratrain: ALERT {cause}: {value:.1%} (threshold {THRESHOLDS[cause]:.0%}) for {self.windows} "
+        print(f"paratrain: ALERT {cause}:{who} {value:.1%} (threshold {THRESHOLDS[cause]:.0%}) for {self.windows} "
               f"consecutive windows of {self.every} steps, at step {window['step']}", file=sys.stderr, flush=True)
 
     def write(self, event: dict) -> None:
@@ -180,13 +203,31 @@ class Monitor:
             self.server.server_close()
 
 
-def gather_busy(busy: float) -> list[float]:
+def gather_phases(busy: float, phases: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's {"busy", phase: seconds} for the window, in one all-reduce."""
+    names = ["busy", *phases]
+    mine = [busy, *phases.values()]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [busy]
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=collective_device())
-    out[dist.get_rank()] = busy
+        return [dict(zip(names, mine))]
+    out = torch.zeros(dist.get_world_size(), len(names), dtype=torch.float64, device=collective_device())
+    out[dist.get_rank()] = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(out)
-    return out.tolist()
+    return [dict(zip(names, row)) for row in out.tolist()]
+
+
+def straggler(own: list[float], phases: list[dict[str, float]], step_s: float) -> dict | None:
+    """The slowest rank's own work against the median of the others' (with two ranks: the other one's), and the
+    phase that holds most of its excess; None with one rank or when its excess is a small part of the step."""
+    if len(own) < 2:
+        return None
+    slow = max(range(len(own)), key=own.__getitem__)
+    others = [v for i, v in enumerate(own) if i != slow]
+    median = statistics.median(others)
+    if median <= 0 or (step_s and (own[slow] - median) / step_s < STRAGGLER_MIN_SHARE):
+        return {"rank": slow, "phase": None, "excess": 0.0}
+    excess = {p: phases[slow][p] - statistics.median(phases[i][p] for i in range(len(own)) if i != slow)
+              for p in OWN_PHASES}
+    return {"rank": slow, "phase": max(excess, key=excess.get), "excess": own[slow] / median - 1.0}
 
 
 def prometheus_text(window: dict, alerts: list[dict]) -> str:
@@ -209,6 +250,9 @@ def prometheus_text(window: dict, alerts: list[dict]) -> str:
     for rank, busy in enumerate(window["busy_s_per_rank"]):
         gauge("paratrain_rank_busy_seconds", "seconds per window not waiting for data, per rank", busy,
               f'{{rank="{rank}"}}')
+    for rank, own in enumerate(window.get("own_s_per_rank", [])):
+        gauge("paratrain_rank_own_seconds", "seconds per window from each step's start to the rank's arrival at "
+              "its loss all-reduce (its own work, not its waits there), per rank", own, f'{{rank="{rank}"}}')
     lines += ["# HELP paratrain_alerts_total alerts raised so far", "# TYPE paratrain_alerts_total counter"]
     for cause in THRESHOLDS:
         lines.append(f'paratrain_alerts_total{{cause="{cause}"}} {sum(a["cause"] == cause for a in alerts)}')

@@ -20,6 +20,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.b
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over the real targets (IGNORE = -100 marks cross-document and padding positions: train/packing.py)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
@@ -36,13 +37,37 @@ def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunks: int) ->
     for part, part_target in zip(flat.chunk(chunks), target.chunk(chunks)):
         piece = checkpoint(_ce_sum, part, part_target, use_reentrant=False)
         total = piece if total is None else total + piece
-    return total / target.numel()
+    return total / (target != -100).sum().clamp_min(1)
 
 
 def autocast_context(device_type: str, dtype: str, enabled: bool = True):
     if dtype == "fp32" or not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[dtype])
+
+
+def batch_inputs(prepare_batch, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(inputs, targets, model kwargs) of a micro-batch after `prepare_batch` (context parallel's sharding, the
+    hooks'). Packed rows add per-document positions and document ids: a sharded sequence keeps its local
+    tokens' positions (selected by the global index the sharder returns) and the whole row's document ids (the
+    distributed attention builds its blocks' masks from them)."""
+    inputs, targets, extra = mb.inputs, mb.targets, {}
+    if prepare_batch is not None:
+        inputs, targets, extra = prepare_batch(inputs, targets)
+    if mb.doc_ids is not None:
+        index = extra.get("positions")
+        extra = {**extra, "positions": mb.positions if index is None else mb.positions.index_select(1, index),
+                 "doc_ids": mb.doc_ids}
+    return inputs, targets, extra
+
+
+def real_token_loss(loss_fn, logits, targets, mb: Batch, reducers: int) -> torch.Tensor:
+    """This micro-batch's part of the mean over the global batch's real tokens, times `reducers` (the ranks the
+    gradients and the loss are averaged over: dp x cp), so that the average over them is that mean."""
+    count = (targets != -100).sum()
+    if int(count) == 0:  # every target here is padding or a boundary: no loss, but a graph for backward
+        return plain_loss(logits).float().sum() * 0.0
+    return loss_fn(logits, targets) * (count * reducers / mb.global_tokens)
 
 
 def _no_grad_sync(model: nn.Module, last: bool):
@@ -68,7 +93,7 @@ class PlainStep:
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
                  prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False,
-                 loss_weight: float | None = None, hooks=None):
+                 loss_weight: float | None = None, hooks=None, loss_reducers: int = 1):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
         self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
@@ -79,6 +104,7 @@ class PlainStep:
         # micro-batch / global batch, so the dp-averaged gradient is the global token-weighted mean
         self.loss_weight = loss_weight
         self.hooks = hooks  # train/hooks.py: around_compute wraps each micro-batch's forward + backward
+        self.loss_reducers = loss_reducers  # dp x cp: real_token_loss's scale for document data
 
     def loss_context(self):
         if not self.loss_parallel:
@@ -113,16 +139,17 @@ class PlainStep:
             last = i == n - 1
             if fsdp_sync is not None:
                 fsdp_sync(last)
-            inputs, targets, extra = mb.inputs, mb.targets, {}
-            if self.prepare_batch is not None:
-                inputs, targets, extra = self.prepare_batch(inputs, targets)
+            inputs, targets, extra = batch_inputs(self.prepare_batch, mb)
             if self.mark_graph_steps:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.compute_context(i), _no_grad_sync(self.model, last), self.loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
-                loss = self.loss_fn(logits, targets)
-                loss = loss / n if self.loss_weight is None else loss * self.loss_weight
+                if mb.global_tokens is not None:
+                    loss = real_token_loss(self.loss_fn, logits, targets, mb, self.loss_reducers)
+                else:
+                    loss = self.loss_fn(logits, targets)
+                    loss = loss / n if self.loss_weight is None else loss * self.loss_weight
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss = loss.detach()
             total += plain_loss(loss)
@@ -139,16 +166,18 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, pp_group=Non
     grads = [p.grad for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and not is_tied_copy(p)]
     if counted:
-        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
+        from paratrain.parallel.grad_norm import total_norm  # grads on several meshes (--ep's experts)
+
+        norm = total_norm(counted)
     else:
         norm = torch.zeros(())
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
     if pp_group is not None:
         squared = norm.float() ** 2
         collective("grad_norm", "pp", "all_reduce", pp_group, lambda: dist.all_reduce(squared, group=pp_group),
                    (squared,))
         norm = squared.sqrt()
     if max_norm > 0 and grads:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+        from paratrain.parallel.grad_norm import clip_with_norm
+
+        clip_with_norm(parameters, max_norm, norm)
     return norm

@@ -28,7 +28,7 @@ from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
 from paratrain.train import checkpoint as ckpt
 from paratrain.train.counts import plural, readable_count
-from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.data_loading import make_batch_source, make_prefetcher, make_train_data
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.faults import RunFailed
 from paratrain.train.hooks import Hooks, default_hooks
@@ -99,13 +99,13 @@ class Trainer:
         self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
         self.optimizers = self._build_optimizers()
 
-        dataset = custom.dataset(cfg) if custom else \
-            make_dataset(cfg.data, self.args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
+        dataset = custom.dataset(cfg) if custom else make_train_data(cfg, self.args.vocab_size)
         self.floor = dataset.entropy_floor()
         self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
         dp_rank = self.dp_rank
         micro, shares = self.layout.micro_batch_of(dp_rank), dp_shares(self.layout)  # shares: --dp-batch-split
-        self.source = BatchSource(dataset, cfg.global_batch, dp_rank, self.layout.dp, micro, shares)
+        self.source = make_batch_source(dataset, cfg.global_batch, dp_rank, self.layout.dp, micro, shares,
+                                        workers=cfg.data_workers)
         self.validator = None if custom else \
             build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, micro, shares)
         self.last_val: dict = {}
@@ -125,6 +125,11 @@ class Trainer:
         self.fingerprint = ckpt.model_fingerprint(self.model_meta)
         self.last_checkpoint: Path | None = None
         self.run_id: str | None = None  # set by maybe_resume(): whose checkpoints prune may remove
+        self.stop_reason: str | None = None  # set by a hook to end fit() after this step (e.g. "preempted")
+        if cfg.preempt_signal:
+            from paratrain.train.preemption import attach_preemption
+
+            attach_preemption(self, cfg.preempt_signal)
 
     # -- assembly -----------------------------------------------------------------------------------------
     @property
@@ -198,7 +203,7 @@ class Trainer:
                          loss_parallel=loss_parallel, mark_graph_steps=graphs,
                          loss_weight=self.hooks.apply_loss_weight(layout, self.dp_rank,
                                                                   dp_loss_weight(layout, self.dp_rank)),
-                         hooks=self.hooks)
+                         hooks=self.hooks, loss_reducers=layout.dp * layout.cp)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg
@@ -215,7 +220,8 @@ class Trainer:
     def ckpt_dir(self) -> str | None:
         if self.cfg.ckpt_dir:
             return self.cfg.ckpt_dir
-        return str(self.run_dir / "checkpoints") if (self.run_dir and self.cfg.ckpt_every) else None
+        wanted = self.cfg.ckpt_every or self.cfg.preempt_signal  # a preemptible run saves when told to
+        return str(self.run_dir / "checkpoints") if (self.run_dir and wanted) else None
 
     def maybe_resume(self) -> None:
         found = ckpt.resume_from(self.cfg.resume, self.ckpt_dir(), self.state, self.fingerprint, self.model_meta)
@@ -313,8 +319,8 @@ class Trainer:
                      cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
         if main and not self.quiet and self.data_tokens is not None:
             self.log_data()
-        prefetch = Prefetcher(self.source, pin=self.rt.device_type == "cuda", timeout_s=cfg.timeout_s,
-                              before_batch=self._before_batch())
+        prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda", timeout_s=cfg.timeout_s,
+                                   before_batch=self._before_batch())
         monitor = self.start_monitor(steplog) if cfg.monitor else None
         monitor_clock = self.hooks.on_phase(monitor.clock.on_phase) if monitor else None
         history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
@@ -344,6 +350,10 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                           "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
                           "mem_peak_gib": self.memory_gib(), "wall_s": t0 - loop_wall, "cpu_s": cpu0 - loop_cpu}
+                if self.args is not None and self.args.moe:  # per-layer expert load (models/moe.py)
+                    from paratrain.models.moe import expert_load_record
+
+                    record.update(expert_load_record(self.step_runner.model_parts))
                 if self.validator and (self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0)):
                     val = evaluate(self)
                     self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
@@ -358,6 +368,8 @@ class Trainer:
                 if on_step is not None:
                     on_step(self, record)
                 self.hooks.fire("after_step", self, record)
+                if self.stop_reason is not None:
+                    break
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
                     self.save_checkpoint()
         except torch.cuda.OutOfMemoryError:
@@ -379,6 +391,7 @@ class Trainer:
                 "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
                 "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
                 "losses": [r["loss"] for r in history], "predicted_peak_gib": self.predicted_peak_gib,
+                "stopped": self.stop_reason,
                 **self.last_val, **self.data_summary()}
 
     def start_monitor(self, steplog):
@@ -402,6 +415,8 @@ class Trainer:
                  self.predicted_peak_gib, measured_gib, what, measured_gib / self.predicted_peak_gib)
 
     def data_summary(self) -> dict:
+        if hasattr(self.source, "tokens_drawn"):  # document data: the tokens each --data source gave
+            return {"tokens_per_source": self.source.tokens_drawn()}
         if self.data_tokens is None:
             return {}
         return {"data_tokens": self.data_tokens, "epochs": self.step * self.tokens_per_step / self.data_tokens}

@@ -14,10 +14,11 @@ from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout, world_size_of
 from paratrain.train.capacity import check_fits_machine
-from paratrain.train.data import make_dataset
+from paratrain.train.data_loading import make_train_data
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type
+from paratrain.train.stream_loader import DocumentData
 
 log = logging.getLogger("paratrain")
 
@@ -44,10 +45,15 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
         check_hf_run(layout, cfg, args)
         warn_past_trained_positions(cfg)
     check_precision(cfg, layout, device_type)
-    make_dataset(cfg.data, args.vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
+    dataset = make_train_data(cfg, args.vocab_size)
+    if isinstance(dataset, DocumentData):
+        dataset.check()
+        check_document_run(cfg, layout)
     from paratrain.train.evaluate import build_validator
 
-    build_validator(cfg, args.vocab_size)
+    validator = build_validator(cfg, args.vocab_size)
+    if validator is not None and hasattr(validator, "data"):  # document validation: its files and tokenizer
+        validator.data.check()
     if cfg.init_from:
         from paratrain.interop.hf_import import check_hf_dir
 
@@ -55,6 +61,16 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.ckpt_every and cfg.ckpt_every > cfg.steps:
         raise UserError(f"--ckpt-every {cfg.ckpt_every} is larger than --steps {cfg.steps}: no checkpoint would be saved")
     return layout
+
+
+def check_document_run(cfg: TrainConfig, layout: Layout) -> None:
+    """What document data (packed rows, document masks) does not run with yet."""
+    if layout.pp_enabled:
+        raise UserError("document data (--data with --tokenizer) does not run under pipeline parallelism yet; "
+                        "use a token .bin file (paratrain data prepare) with pp")
+    if is_hf_model(cfg.model) and layout.cp_enabled:
+        raise UserError("document data with a transformers model (--model hf:...) does not run under context "
+                        "parallelism yet; use a preset model, or a token .bin file")
 
 
 def warn_past_trained_positions(cfg: TrainConfig) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
 from paratrain.train.faults import CollectiveFailure, describe_collective_failure
+from paratrain.train.flight_recorder import FlightRecorder, enable_torch_recorder
 
 log = logging.getLogger("paratrain")
 
@@ -31,6 +32,7 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     trainer, error, summary = None, None, None
+    recorder = start_flight_recorder(rank, run_dir, cfg.timeout_s) if cfg.flight_recorder else None
     try:
         rt = init_runtime(cfg.device, cfg.timeout_s)
         if isinstance(custom, str):
@@ -43,8 +45,10 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
     except UserError as exc:
         error = str(exc)
     except CollectiveFailure:
+        detach(recorder)
         raise
     except CheckFailed as exc:  # a failed run (loss diverged, data loader stalled): one line, exit 1
+        detach(recorder)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone, nobody can be blocked on us: clean up
             trainer = None
             gc.collect()
@@ -55,6 +59,9 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
         message = describe_collective_failure(exc, rank, step, cfg.timeout_s)
         if message is None:
             raise
+        if recorder is not None:
+            write_quietly(recorder, "timeout" if " timed out " in message else "lost_peer", message)
+        detach(recorder)
         # no shutdown(): destroying a group whose peer is gone can block; the launcher reaps this process
         raise CollectiveFailure(message) from None
     # Drop the model (and DDP's reducer) while the process groups are still registered. Otherwise the
@@ -62,9 +69,35 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
     # the GIL held while one of them waits for the GIL to free a finished work's tensors: a deadlock at
     # exit (seen with 2 nodes x 2 ranks). Freed from the registry by shutdown(), a group is destroyed
     # without the GIL.
+    if recorder is not None:
+        recorder.close()
     trainer = None
     gc.collect()
     shutdown()
     if error is not None:
         raise UserError(error)  # our launcher and the CLI turn it into one line and exit 2
     return summary if rank == 0 else None
+
+
+def start_flight_recorder(rank: int, run_dir: str | None, timeout_s: float) -> FlightRecorder:
+    """This rank's recorder, attached to the process's hooks before the process group exists (so torch's
+    recorder is on). It writes well before the peers' timeout: a stalled rank is found by what it wrote."""
+    from paratrain.train.hooks import default_hooks
+
+    hang_dir = Path(run_dir) / "hang" if run_dir else None
+    enable_torch_recorder(hang_dir)
+    recorder = FlightRecorder(rank, hang_dir, stall_after_s=max(0.5, min(10.0, timeout_s / 3)))
+    recorder.attach(default_hooks())
+    return recorder
+
+
+def detach(recorder: FlightRecorder | None) -> None:
+    if recorder is not None:
+        recorder.detach()
+
+
+def write_quietly(recorder: FlightRecorder, reason: str, message: str) -> None:
+    try:
+        recorder.write(reason, message)
+    except OSError as exc:  # the run dir may be gone or full: the failure itself is what must be reported
+        log.warning("could not write the flight recorder: %s", exc)

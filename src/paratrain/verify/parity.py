@@ -26,6 +26,7 @@ from paratrain.verify.compare import (
     nanmax,
 )
 from paratrain.verify.recorder import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
+from paratrain.verify.routing import RoutingCheck, routing_of
 
 _REFERENCES: dict[str, dict] = {}  # reference runs by config, so one process group can verify many layouts
 
@@ -68,7 +69,7 @@ class Recorder:
     hook), then loss, grad norm, parameters and activation fingerprints."""
 
     def __init__(self, trainer, tp_rank: int, fingerprints: bool):
-        self.trainer, self.grads = trainer, None
+        self.trainer, self.grads, self.tp_rank = trainer, None, tp_rank
         self.parts = trainer.step_runner.model_parts
         self.fingerprints = Fingerprints(self.parts, tp_rank) if fingerprints else None
         self.handle = trainer.hooks.on_gradients(self._read_grads)
@@ -83,7 +84,8 @@ class Recorder:
         calls = self.trainer.step_runner.microbatches or len(micro)
         acts = self.fingerprints.take(calls) if self.fingerprints else None
         return {"loss": out["loss"], "grad_norm": out["grad_norm"], "grads": self.grads,
-                "params": full_tensors(self.parts, "param"), "acts": acts}
+                "params": full_tensors(self.parts, "param"), "acts": acts,
+                "routing": routing_of(self.parts) if self.tp_rank == 0 else {}}
 
     @property
     def order(self) -> list[str]:
@@ -96,8 +98,10 @@ class Recorder:
 
 
 def reference_config(cfg, dtype: str):
-    return cfg.model_copy(update={"strategy": "single", "micro_batch": None, "microbatches": None, "dp_replicate": None,
-                                  "dp_shard": None, "tp": None, "pp": None, "cp": None, "sp": False, "ac": "none",
+    from paratrain.parallel.layout import DEGREE_NAMES
+
+    return cfg.model_copy(update={"strategy": "single", "micro_batch": None, "microbatches": None,
+                                  **dict.fromkeys(DEGREE_NAMES), "sp": False, "ac": "none",
                                   "compile": False, "cpu_offload": False, "ddp_comm_hook": "none",
                                   "local_sgd_period": 0, "virtual_stages": 1, "dtype": dtype,
                                   "dp_batch_split": None, "pp_layers": None})
@@ -206,11 +210,13 @@ class Report:
         self.acts_compared = True
         self.same_loss = True  # every rank reported exactly the same global loss
         self.model_parts = 1
+        self.routing = RoutingCheck()
 
     def add(self, step: int, records: list[dict]) -> None:
         ref = self.ref["steps"][step - 1]
         err = compare_step(ref, records)
         ok = judge(err, ref, self.tol)
+        routed_alike = self.routing.add(step, ref.get("routing", {}), [r.get("routing", {}) for r in records])
         worst_act = nanmax([e for e, _ in err["acts"]]) if err["acts"] is not None else None
         self.acts_compared = self.acts_compared and err["acts"] is not None
         row = {"loss_abs": err["loss_abs"], "loss_rel": err["loss_abs"] / max(abs(ref["loss"]), 1e-30),
@@ -228,7 +234,7 @@ class Report:
         self.per_step.append({"step": step, "loss_ref": ref["loss"], "loss": records[0]["loss"],
                               "grad_norm_ref": ref["grad_norm"], "grad_norm": records[0]["grad_norm"],
                               "grad_rel_diff": row["grad_rel"], "param_rel_diff": row["param_rel"],
-                              "act_rel_diff": worst_act, "passed": all(ok.values())})
+                              "act_rel_diff": worst_act, "passed": all(ok.values()) and routed_alike})
 
     def margins(self) -> dict:
         """Tolerance / largest error seen, per check (how far inside its bound the run stayed)."""
@@ -237,6 +243,14 @@ class Report:
                  "grads": (t.grad_rtol, m["grad_rel"]), "params": (t.param_rtol, m["param_rel"]),
                  "activations": (t.act_rtol, m["act_rel"])}
         return {k: (bound / err if err > 0 else None) if err == err else float("nan") for k, (bound, err) in pairs.items()}
+
+    def _first_with_routing(self) -> dict | None:
+        """first_divergence, naming the first router mismatch too (alone when only the routing differs)."""
+        routed = self.routing.first
+        if routed is None:
+            return self.first
+        first = self.first or {"step": routed["step"], "differs": "routing", "parameters": []}
+        return {**first, "routing": routed}
 
     def result(self, extra: dict) -> dict:
         layout, m = self.layout, self.max
@@ -249,8 +263,9 @@ class Report:
                 "max_grad_norm_rel_diff": m["grad_norm_rel"], "max_grad_rel_diff": m["grad_rel"],
                 "max_param_rel_diff": m["param_rel"], "max_param_abs_diff": m["param_abs"],
                 "max_act_rel_diff": m["act_rel"] if self.acts_compared else None, "margins": self.margins(),
-                "passed": all(self.checks.values()) and not self.missing, "checks": self.checks,
-                "first_divergence": self.first, "missing": self.missing,
+                "passed": all(self.checks.values()) and not self.missing and self.routing.ok is not False,
+                "checks": self.checks, **self.routing.result(),
+                "first_divergence": self._first_with_routing(), "missing": self.missing,
                 "compared": {"ranks": layout.world, "every_step": True, "grads": "before clipping",
                              "activations": self.acts_compared, "model_parts": self.model_parts},
                 "same_loss_on_every_rank": self.same_loss,
@@ -263,7 +278,9 @@ def describe_divergence(first: dict | None) -> str | None:
         return None
     what = {"loss": "the loss differs", "activations": "activations differ (loss within tolerance)",
             "grads": "only the gradients differ (the loss matches)",
-            "params": "only the parameters differ (loss and gradients match): an optimizer-side bug"}[first["differs"]]
+            "params": "only the parameters differ (loss and gradients match): an optimizer-side bug",
+            "routing": "only the router's decisions differ (loss, gradients and parameters within tolerance)"
+            }[first["differs"]]
     where = f"; first diverging module: {first['module']}" if first.get("module") else ""
     top = first["parameters"][0] if first["parameters"] else None
     param = ""
@@ -275,6 +292,9 @@ def describe_divergence(first: dict | None) -> str | None:
     if first.get("ranks"):
         param += f"; diverging on rank(s) {', '.join(str(r) for r in first['ranks'])}"
     missing = f"; missing: {', '.join(first['missing'][:3])}" if first.get("missing") else ""
+    if first.get("routing"):
+        missing += (f"; tokens first reach other experts at step {first['routing']['step']} in "
+                    f"{first['routing']['layer']}")
     return f"first divergence at step {first['step']}: {what}{where}{param}{missing}"
 
 

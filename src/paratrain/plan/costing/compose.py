@@ -20,7 +20,7 @@ from paratrain.plan.tracing.units import Segment, UnitKey, UnitTrace, unit_trace
 def unit_key(key: TraceKey, micro_batch: int) -> UnitKey:
     return UnitKey(args=key.args, seq_len=key.seq_len, tp=key.tp, sp=key.sp, cp=key.cp, cp_impl=key.cp_impl,
                    ac=key.ac, dtype=key.dtype, device_type=key.device_type, micro_batch=micro_batch,
-                   loss_parallel=key.part == "whole" and key.tp > 1)
+                   loss_parallel=key.part == "whole" and key.tp > 1, ep=key.ep)
 
 
 def _lerp(a: float, b: float, t: float) -> float:

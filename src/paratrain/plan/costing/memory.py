@@ -74,7 +74,8 @@ class ChunkMemory:
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
     return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
                     sp=layout.sp and layout.tp > 1, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
-                    dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type)  # fp8: bf16 activations
+                    dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type,  # fp8: bf16 activations
+                    ep=layout.ep if args.moe else 1)
 
 
 def _autocast_weight_copies(tr: Composed, layers: int, dtype: str) -> float:

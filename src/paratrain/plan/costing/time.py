@@ -326,6 +326,48 @@ def slowest_and_others(per_rank: dict[int, float]) -> tuple[int, float]:
     return slowest, others
 
 
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+
+
+def ep_placement(layout: Layout, gpus_per_node: int) -> tuple[str, int]:
+    """Where an expert-parallel group sits: its ranks are ep neighbours of dp_shard x cp, tp ranks apart."""
+    span = layout.ep * layout.tp
+    members = max(1, min(layout.ep, gpus_per_node // layout.tp))
+    return ("intra" if span <= gpus_per_node else "inter"), members
+
+
+def moe_all_to_all(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
+                   layers: int, est: TimeEstimate | None = None) -> float:
+    """Seconds per micro-batch of --ep's token exchange on `layers` MoE blocks, balanced routing: each layer
+    sends its T*k routed copies (of dim values) to their experts and gets them back, forward and backward (4
+    all-to-alls), plus the split counts. Not overlapped with compute (as torchtitan runs it)."""
+    if layout.ep <= 1 or not args.moe or layers <= 0:
+        return 0.0
+    tokens = layout.micro_batch * seq_len // layout.cp
+    payload = tokens * args.top_k * args.dim * ACTIVATION_BYTES.get(dtype, 4)
+    where, rails = ep_placement(layout, profile.gpu.gpus_per_node)
+    one = collective_time(profile, "all_to_all", payload, layout.ep, where, rails)
+    counts = collective_time(profile, "all_to_all", args.n_experts * 8, layout.ep, where, rails)
+    if est is not None:
+        est.add_comm("all_to_all", payload, layout.ep, 4 * layers * layout.microbatches)
+    return layers * (4 * one + counts)
+
+
+def moe_layers_on(args: ModelArgs, layers: int) -> int:
+    """MoE blocks among `layers` blocks of one part (the dense first blocks counted on the first part)."""
+    return max(0, layers - args.n_dense_layers) if args.moe else 0
+
+
+def expert_comm_share(args: ModelArgs, layout: Layout) -> float:
+    """The fraction of FSDP's traffic left under --ep: each rank gathers and reduces 1/ep of the experts."""
+    if layout.ep <= 1 or not args.moe:
+        return 1.0
+    from paratrain.models.presets import count_params, expert_params
+
+    experts = expert_params(args) / count_params(args)
+    return 1.0 - experts * (1.0 - 1.0 / layout.ep)
+
+
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
                   device_type: str, async_tp: bool = False, dist_optimizer: bool = False) -> TimeEstimate:
     """async_tp: TP collectives overlapped with the matmuls (torch's micro-pipelined TP, which needs compile and
@@ -344,12 +386,16 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
         opt = chunk.opt / layout.shard_degree if layout.fsdp else (
             chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
         dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est, dist_optimizer)
+        dp_exposed *= expert_comm_share(args, layout)
+        ep_comm = m * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, args.n_layers), est)
         est.compute_s = m * per_mb + opt
-        est.comm_exposed_s = m * (chunk.tp_exposed + cp_exposed) + dp_exposed
+        est.comm_exposed_s = m * (chunk.tp_exposed + cp_exposed) + dp_exposed + ep_comm
         est.step_s = est.compute_s + est.comm_exposed_s
         est.breakdown = {"forward_s": m * chunk.fwd, "backward_s": m * chunk.bwd, "optimizer_s": opt,
                          "tp_comm_s": m * chunk.tp_exposed, "cp_comm_exposed_s": m * cp_exposed,
                          "dp_comm_exposed_s": dp_exposed, "pp_comm_exposed_s": 0.0}
+        if ep_comm:
+            est.breakdown["ep_comm_s"] = ep_comm
         return est
     # pipeline: every stage rank's per-micro-batch time; the slowest sets the pace
     stages = stage_layout(args, layout, seq_len)
@@ -383,15 +429,19 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     opt = max(sum(c.opt for c in cs) for cs in ranks.values())
     opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
     dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer)
+    dp_exposed *= expert_comm_share(args, layout)
+    per_part = math.ceil(args.n_layers / (layout.pp * layout.virtual_stages)) * layout.virtual_stages
+    ep_comm = busy * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, per_part), est)
     compute = sum(c.fwd + c.bwd for c in ranks[slowest])
     est.compute_s = busy * compute + opt
     est.bubble_s = bubble * others
-    est.comm_exposed_s = busy * (slot - compute) + ramp + dp_exposed
+    est.comm_exposed_s = busy * (slot - compute) + ramp + dp_exposed + ep_comm
     est.step_s = est.compute_s + est.bubble_s + est.comm_exposed_s
     tp = busy * sum(c.tp_exposed for c in ranks[slowest])
     cp = busy * sum(c.cp_comm + c.cp_calls for c in ranks[slowest])
     est.breakdown = {"stage_slot_s": slot, "p2p_s": p2p, "optimizer_s": opt, "dp_comm_exposed_s": dp_exposed,
                      "tp_comm_s": tp, "cp_comm_exposed_s": cp,
-                     "pp_comm_exposed_s": max(0.0, est.comm_exposed_s - tp - cp - dp_exposed),
+                     "pp_comm_exposed_s": max(0.0, est.comm_exposed_s - tp - cp - dp_exposed - ep_comm),
+                     **({"ep_comm_s": ep_comm} if ep_comm else {}),
                      "per_stage_rank_s": {r: round(t, 6) for r, t in per_rank.items()}}
     return est

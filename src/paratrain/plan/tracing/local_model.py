@@ -343,13 +343,17 @@ def stage_args(args: ModelArgs, layers: int) -> ModelArgs:
 
 
 def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool, cp: int, cp_impl: str, ac: str,
-                      log: CommLog, loss_parallel: bool | None = None) -> nn.Module:
+                      log: CommLog, loss_parallel: bool | None = None, ep: int = 1) -> nn.Module:
     """The model one rank runs, on whatever fake/meta mode is active: `layers` blocks, this pipeline `part`,
     TP-local shapes with simulated collectives, CP attention, activation checkpointing. `loss_parallel`
     defaults to what the trainer does: vocab-sharded logits into the loss only without a pipeline."""
     from paratrain.models.presets import build_model
 
     model = build_model(stage_args(args, layers), "cpu", seed=None)
+    if args.moe:
+        from paratrain.plan.tracing.moe_trace import trace_balanced_moe
+
+        trace_balanced_moe(model, ep)
     if part in ("middle", "last"):
         model.tok_embeddings = None
     if part in ("first", "middle"):

@@ -55,6 +55,7 @@ class TraceKey:
     # also trace a second micro-batch accumulating into existing gradients (always on: one key serves layouts
     # with and without accumulation, the first micro-batch's peak is recorded on the way)
     accumulate: bool = True
+    ep: int = 1  # --ep: the rank computes its E/ep experts (moe_trace.py)
 
 
 @dataclass
@@ -309,7 +310,8 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
 
     log.dtensor = {} if key.tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log)
+        model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
+                                  ep=key.ep)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def snapshot() -> dict:

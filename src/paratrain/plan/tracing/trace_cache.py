@@ -21,7 +21,8 @@ FORMAT = "paratrain-trace/1"
 _TRACED_MODULES = ("paratrain.models", "paratrain.plan.tracing.local_model", "paratrain.plan.tracing.units",
                    "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.ring_attention",
                    "paratrain.parallel.ulysses", "paratrain.parallel.cp_comm",
-                   "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim")
+                   "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim",
+                   "paratrain.plan.tracing.moe_trace")
 
 
 def cache_dir() -> Path:

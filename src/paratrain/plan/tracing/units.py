@@ -41,6 +41,7 @@ class UnitKey:
     device_type: str = "cpu"
     micro_batch: int = 1  # the traced micro-batch (1 and 2; others are interpolated)
     loss_parallel: bool = False  # TP logits stay vocab-sharded into the loss (no pipeline), as the trainer runs
+    ep: int = 1  # --ep: the rank computes its E/ep experts (moe_trace.py)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
 
     with quiet_logs(), FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
-                                  loss_parallel=key.loss_parallel)
+                                  loss_parallel=key.loss_parallel, ep=key.ep)
         groups = _unit_of_params(model)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker = LiveTensorTracker(op_hook=hook, resync=False)

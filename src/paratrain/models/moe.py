@@ -1,0 +1,200 @@
+"""A Mixture-of-Experts feed-forward (router, routed experts, optional shared experts) and the decoder using it.
+
+Plain PyTorch, like llama.py. Three swap points let parallel/expert_parallel.py act from outside:
+`MoE.dispatch` (local by default; all-to-all over the expert-parallel ranks under --ep), `MoE.reduce_counts`
+(identity by default; the all-reduce that makes the load-balancing loss global over the data ranks) and
+`MoE.aux_scale` (the weight of one micro-batch's loss). Routing is dropless token choice unless the model
+sets a capacity factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.args import ModelArgs
+from paratrain.models.llama import FeedForward, Transformer
+
+
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: under --ep the weights are DTensors split on the expert dim."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on Hopper-class GPUs in bf16; elsewhere the experts run as a loop."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+class Experts(nn.Module):
+    """n SwiGLU experts stored as (n, in, out) tensors: one grouped GEMM per matrix over tokens sorted by expert."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, dim) sorted by expert; counts: tokens per (local) expert."""
+        w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
+        if grouped_mm_supported(x):
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+            return torch._grouped_mm(h, w2, offs=offs)
+        outs = [F.silu(chunk @ w1[e]) * (chunk @ w3[e]) @ w2[e]
+                for e, chunk in enumerate(torch.split(x, counts.tolist()))]
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class Router(nn.Module):
+    """Top-k gating: softmax over experts (Mixtral, Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3). The bias
+    (auxiliary-loss-free balancing) shifts which experts are chosen, never the gate values."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        self.kind, self.top_k, self.norm_topk = args.router, args.top_k, args.norm_topk
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gates (T, k), expert ids (T, k), the scores the balancing loss reads (T, E), each row summing to 1)."""
+        logits = self.gate(x).float()
+        scores = torch.sigmoid(logits) if self.kind == "sigmoid" else torch.softmax(logits, dim=-1)
+        ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        gates = scores.gather(-1, ids)
+        if self.norm_topk and self.top_k > 1:
+            gates = gates / gates.sum(-1, keepdim=True)
+        probs = scores / scores.sum(-1, keepdim=True) if self.kind == "sigmoid" else scores
+        return gates.type_as(x), ids, probs
+
+
+def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: Experts,
+                   n_experts: int) -> torch.Tensor:
+    """Every expert on this rank: the routed copies sorted by expert, one grouped GEMM, rows in routed order."""
+    order = experts_ids.argsort(stable=True)
+    y = experts(x[tokens[order]], torch.bincount(experts_ids, minlength=n_experts))
+    return torch.zeros_like(y).index_copy(0, order, y)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Passes `out` through; in backward, adds the balancing loss's gradient (weight `scale`) and applies the
+    bias update once per backward (not again when activation checkpointing replays the forward)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale, on_backward):
+        ctx.scale, ctx.on_backward = scale, on_backward
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None, None
+
+
+def identity_counts(counts: torch.Tensor) -> torch.Tensor:
+    return counts
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.router = Router(args)
+        self.experts = Experts(args.n_experts, args.dim, args.expert_dim)
+        self.shared = FeedForward(args.dim, args.expert_dim * args.n_shared_experts) if args.n_shared_experts else None
+        self.aux_coeff, self.bias_rate, self.capacity_factor = args.aux_loss_coeff, args.bias_update_rate, \
+            args.capacity_factor
+        self.dispatch = local_dispatch  # parallel/expert_parallel.py swaps in the all-to-all
+        self.reduce_counts = identity_counts  # ... and the all-reduce over the data ranks
+        self.aux_scale = 1.0  # the weight of one micro-batch's loss (1 / micro-batches)
+        self.last_load: torch.Tensor | None = None  # tokens per expert over all data ranks, last forward
+        self.last_dropped = 0
+        self.last_routing: torch.Tensor | None = None  # this rank's (counts, feature sums) per expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        gates, ids, probs = self.router(x)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        experts_ids, gates = ids.flatten(), gates.flatten()
+        if self.capacity_factor > 0:
+            tokens, experts_ids, gates = self._drop_over_capacity(tokens, experts_ids, gates, x.shape[0])
+        # the routing fingerprint verify compares: per expert, its token count and the sum of its tokens'
+        # first feature (a misrouted token changes both); reduce_counts sums them over the data ranks
+        local = torch.stack([torch.bincount(experts_ids, minlength=self.n_experts).to(x.dtype),
+                             torch.zeros(self.n_experts, dtype=x.dtype, device=x.device).index_add(
+                                 0, experts_ids, x[tokens, 0].detach())])
+        self.last_routing = local.detach().float()  # this rank's share; verify sums the ranks' itself
+        routing = self.reduce_counts(local.float())
+        counts, tokens_total = routing[0], routing[0].sum()
+        self.last_load = counts.detach()
+        y = self.dispatch(x, tokens, experts_ids, self.experts, self.n_experts)
+        out = torch.zeros_like(x).index_add(0, tokens, y * gates[:, None])
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training and torch.is_grad_enabled():
+            # Switch/GShard balancing loss over the tokens of all data ranks: E * sum_i f_i * P_i, with f_i the
+            # global fraction of routed copies at expert i and P_i this rank's mean score (the ranks' losses are
+            # averaged like the language-model loss, so each rank's mean stands for its share of the global mean)
+            f = counts / tokens_total.clamp(min=1)
+            aux = self.aux_coeff * self.n_experts * (f * probs.mean(0)).sum()
+            update = (lambda: self._update_bias(counts)) if self.bias_rate > 0 else None
+            out = _AddAuxLoss.apply(out, aux, self.aux_scale, update)
+        return out.view(shape)
+
+    def _drop_over_capacity(self, tokens, experts_ids, gates, n_tokens: int):
+        """Keep each expert's first `capacity` copies in token order (a capacity factor is not dropless)."""
+        capacity = max(1, int(self.capacity_factor * n_tokens * self.top_k / self.n_experts + 0.999999))
+        order = experts_ids.argsort(stable=True)
+        counts = torch.bincount(experts_ids, minlength=self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.empty_like(order)
+        rank_in_expert[order] = torch.arange(order.numel(), device=order.device) - starts[experts_ids[order]]
+        keep = rank_in_expert < capacity
+        self.last_dropped = int((~keep).sum())
+        return tokens[keep], experts_ids[keep], gates[keep]
+
+    @torch.no_grad()
+    def _update_bias(self, counts: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded ones'."""
+        self.router.expert_bias.add_(self.bias_rate * torch.sign(counts.mean() - counts))
+
+
+class MoETransformer(Transformer):
+    """The Llama decoder with MoE feed-forwards after the first n_dense_layers blocks (same names otherwise)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        for index, block in self.layers.items():
+            if args.is_moe_layer(int(index)):
+                block.feed_forward = MoE(args)
+
+    def init_weights(self, seed: int) -> None:
+        super().init_weights(seed)
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.expert_bias.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_load_record(model_parts) -> dict:
+    """The metrics.jsonl fields of this rank's MoE layers, from their last forward: per layer the routed copies
+    per expert (over all data ranks), their max / mean, and the copies dropped over capacity (this rank)."""
+    layers = []
+    for part in model_parts:
+        for name, moe in moe_layers(part):
+            if moe.last_load is None:
+                continue
+            load = [int(v) for v in moe.last_load.tolist()]
+            mean = sum(load) / len(load) if load else 0.0
+            layers.append({"layer": ".".join(p for p in name.split(".") if not p.startswith("_") and p != "module"),
+                           "tokens_per_expert": load, "max_over_mean": max(load) / mean if mean else None,
+                           "dropped": moe.last_dropped})
+    return {"expert_load": layers} if layers else {}

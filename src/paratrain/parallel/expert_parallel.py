@@ -1,0 +1,169 @@
+"""Expert parallelism (--ep): each MoE layer's experts split over ep of the data-parallel ranks, tokens sent to
+their experts and back with all_to_all_single (variable splits), expert weights FSDP-sharded over the rest.
+
+An MoE layer (models/moe.py) is found by its swap points, never by its class (parallel/ does not import
+models/): `dispatch`, `reduce_counts`, `aux_scale` and `experts`. `attach_moe` runs for every layout (the
+balancing loss counts tokens over all data ranks even without --ep); `apply_ep` when ep > 1. Every collective
+passes paratrain's door (collective_hooks.py), with purpose "moe_counts", "moe_splits", "moe_dispatch" and
+"moe_combine" (their backward halves "..._backward"), so hooks and the hang diagnosis see them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.errors import UserError
+from paratrain.parallel.collective_hooks import collective
+
+log = logging.getLogger("paratrain")
+
+
+def moe_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("dispatch", "reduce_counts", "experts"))]
+
+
+def check_ep(args, layout, seq_len: int | None = None) -> None:
+    """ep > 1: a paratrain MoE model whose experts split ep ways, sharded by FSDP (no replicas)."""
+    if not getattr(args, "moe", False):
+        raise UserError(f"--ep {layout.ep} needs a Mixture-of-Experts model (e.g. --model moe-tiny); "
+                        f"{args.name} has no experts")
+    if str(args.name).startswith("hf:"):
+        raise UserError(f"--ep runs paratrain's own MoE models (moe-tiny, ...); {args.name} is a transformers "
+                        "model: use --strategy zero3 or ddp")
+    if args.n_experts % layout.ep:
+        raise UserError(f"--ep {layout.ep} does not divide the model's {args.n_experts} experts")
+    if layout.dp_replicate > 1:
+        raise UserError("--ep with --dp-replicate (HSDP) is not supported: give the ranks to --dp-shard")
+    if layout.tp > 1 and layout.sp:
+        raise UserError("--ep with sequence parallelism is not supported: use --strategy tp (no SP) with --ep")
+
+
+# -- every MoE run: global balancing-loss counts and the micro-batch weight ----------------------------------
+def attach_moe(model: nn.Module, layout) -> None:
+    """Make the balancing loss count tokens over all data ranks (dp x cp) and weigh it like one micro-batch."""
+    group_mesh = layout.submesh("dp_cp") if layout.world > 1 else None
+    for moe in moe_modules(model):
+        # a pipeline schedule scales every gradient by 1 / micro-batches itself (scale_grads); the plain step
+        # divides each micro-batch's loss
+        moe.aux_scale = 1.0 if layout.pp > 1 else 1.0 / layout.microbatches
+        if group_mesh is not None:
+            moe.reduce_counts = CountReducer(group_mesh.get_group())
+
+
+class CountReducer:
+    """Sum per-expert token counts (and the routing fingerprint) over the data ranks: one small all-reduce."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.detach().clone()
+        collective("moe_counts", "dp_cp", "all_reduce", self.group,
+                   lambda: dist.all_reduce(counts, group=self.group), (counts,))
+        return counts
+
+
+# -- ep > 1 ---------------------------------------------------------------------------------------------------
+def apply_ep(model: nn.Module, ep_mesh, rest_mesh, grad_divide: int, reshard_after_forward: bool = True,
+             mp_policy=None) -> nn.Module:
+    """Split each MoE layer's experts over `ep_mesh` (Shard(0) on the expert dim), send tokens through the
+    all-to-all, and FSDP-shard the experts over `rest_mesh` (the other ranks of dp_shard x cp). Their gradients
+    sum the tokens of all ep ranks; dividing by every data rank (`grad_divide`) makes them the global mean."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = moe_modules(model)
+    for moe in layers:
+        experts = moe.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            whole = p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # TP keeps experts whole
+            split = distribute_tensor(whole, ep_mesh, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(split, requires_grad=p.requires_grad))
+        # FSDP divides the experts' gradients by the rest ranks; they sum ep ranks' tokens as well, so scale
+        # them by rest / (all data ranks) once more (in the token path: gloo has no pre-multiplied reduce-scatter)
+        weight_grad_scale = rest_mesh.size() / grad_divide
+        moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size(), weight_grad_scale)
+        kwargs = {"mesh": rest_mesh, "reshard_after_forward": reshard_after_forward}
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        fully_shard(experts, **kwargs)
+    log.info("applied expert parallelism: %d MoE layer(s), experts split %d ways, FSDP over %d", len(layers),
+             ep_mesh.size(), rest_mesh.size())
+    return model
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits whose backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, purpose):
+        ctx.splits, ctx.group, ctx.purpose = (out_splits, in_splits), group, purpose
+        return _exchange(x, out_splits, in_splits, group, purpose)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.purpose + "_backward"), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, purpose: str) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    collective(purpose, "ep", "all_to_all", group,
+               lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group), (x, out))
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class AllToAllDispatch:
+    """MoE.dispatch under --ep: this rank's routed copies to the ranks holding their experts, the local experts'
+    grouped GEMM on what arrives, the results back in the order they left."""
+
+    def __init__(self, group, ep: int, weight_grad_scale: float = 1.0):
+        self.group, self.ep, self.weight_grad_scale = group, ep, weight_grad_scale
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: nn.Module,
+                 n_experts: int) -> torch.Tensor:
+        local = n_experts // self.ep
+        order = experts_ids.argsort(stable=True)
+        send_counts = torch.bincount(experts_ids, minlength=n_experts)
+        # how many copies each rank sends to each of my experts: (ep, local) after the exchange
+        recv_counts = torch.empty_like(send_counts)
+        collective("moe_splits", "ep", "all_to_all", self.group,
+                   lambda: dist.all_to_all_single(recv_counts, send_counts, group=self.group),
+                   (send_counts, recv_counts))
+        in_splits = send_counts.view(self.ep, local).sum(1).tolist()
+        out_splits = recv_counts.view(self.ep, local).sum(1).tolist()
+        received = _AllToAll.apply(x[tokens[order]], out_splits, in_splits, self.group, "moe_dispatch")
+        # arrivals come by source rank, each sorted by expert: regroup them by local expert for one GEMM
+        expert_of = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts)
+        regroup = expert_of.argsort(stable=True)
+        scale = self.weight_grad_scale
+        grouped = _ScaleGrad.apply(received[regroup], 1.0 / scale)  # the input's gradient comes back unscaled
+        y = _ScaleGrad.apply(experts(grouped, torch.bincount(expert_of, minlength=local)), scale)
+        y = torch.zeros_like(y).index_copy(0, regroup, y)
+        back = _AllToAll.apply(y, in_splits, out_splits, self.group, "moe_combine")
+        return torch.zeros_like(back).index_copy(0, order, back)
+
+
+def forward_runs_collectives(model: nn.Module) -> bool:
+    """True when the model's forward itself talks to other ranks (MoE layers counting tokens over the data
+    ranks, or sending them to their experts): it cannot run on one rank while the others wait."""
+    return any(isinstance(m.reduce_counts, CountReducer) or isinstance(m.dispatch, AllToAllDispatch)
+               for m in moe_modules(model))

@@ -1,0 +1,69 @@
+"""What the planner traces for an MoE layer: routing of fixed shape, every expert taking an equal share.
+
+The runtime's routing (models/moe.py) sorts and counts tokens, whose output sizes depend on the data and cannot
+be traced on fake tensors. The stand-in does the same work with the balanced router the planner assumes: the
+router matmul and top-k, each token copied k times, one batched GEMM per expert matrix over T*k/E tokens each,
+the weighted combine. Under --ep the same FLOPs run on the rank's E/ep experts (each then takes ep times the
+tokens); the all-to-all that moves them is priced apart (costing/time.py: moe_all_to_all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def balanced_forward(moe: nn.Module, ep: int = 1):
+    """Under --ep the rank runs the T*k copies of its ep group's tokens that its E/ep experts receive (as many
+    as it sends, balanced), reading and accumulating gradients into only those experts' weights."""
+    experts, k, n = moe.experts, moe.top_k, moe.n_experts // ep
+    if ep > 1:
+        split_experts(experts, ep)
+    w1, w2, w3 = (getattr(experts, name if ep == 1 else f"{name}_0") for name in ("w1", "w2", "w3"))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        # the runtime's ops (models/moe.py: local_dispatch; parallel/expert_parallel.py under --ep) with the
+        # data-dependent ones at their balanced sizes: same tensors alive, same bytes moved
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores = torch.softmax(moe.router.gate(flat).float(), dim=-1)
+        top = torch.topk(scores, k, dim=-1)
+        gates, ids = top.values.type_as(flat).flatten(), top.indices.flatten()
+        tokens = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(k)
+        order = ids.argsort(stable=True)
+        copies = flat[tokens[order]]
+        if ep > 1:  # what arrives from the all-to-all, regrouped by local expert
+            copies = copies.clone()[order]
+        per_expert = math.ceil(copies.shape[0] / n)
+        padded = F.pad(copies, (0, 0, 0, per_expert * n - copies.shape[0])).view(n, per_expert, -1)
+        hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+        routed = torch.bmm(hidden, w2).reshape(n * per_expert, -1)[: copies.shape[0]]
+        if ep > 1:  # back in arrival order, then through the all-to-all home
+            routed = torch.zeros_like(routed).index_copy(0, order, routed).clone()
+        routed = torch.zeros_like(routed).index_copy(0, order, routed)
+        out = torch.zeros_like(flat).index_add(0, tokens, routed * gates[:, None])
+        if moe.shared is not None:
+            out = out + moe.shared(flat)
+        return out.view(shape)
+
+    return forward
+
+
+def split_experts(experts: nn.Module, ep: int) -> None:
+    """Each expert matrix as ep parameters of E/ep experts (the bytes FSDP holds are unchanged): the rank's own
+    share is the first; the others, another rank's experts, get no gradient here, as under --ep."""
+    for name in ("w1", "w2", "w3"):
+        whole = experts._parameters.pop(name)
+        for i, part in enumerate(whole.detach().chunk(ep, 0)):
+            experts.register_parameter(f"{name}_{i}", nn.Parameter(part.clone()))
+
+
+def trace_balanced_moe(model: nn.Module, ep: int = 1) -> None:
+    """Swap every MoE layer of a model the planner traces for its balanced stand-in."""
+    from paratrain.models.moe import moe_layers
+
+    for _, moe in moe_layers(model):
+        moe.forward = balanced_forward(moe, ep)

@@ -1,0 +1,42 @@
+"""Which data a run reads, and how: the one place that picks between the indexed data sets of train/data.py
+(synthetic, token files: any sample by index) and the document stream (train/stream_loader.py)."""
+
+from __future__ import annotations
+
+from paratrain.errors import UserError
+from paratrain.train.data import BatchSource, Prefetcher, make_dataset
+from paratrain.train.doc_sources import is_document_spec
+from paratrain.train.doc_stream import stream_config
+from paratrain.train.stream_loader import DocumentData, StreamBatchSource, StreamPrefetcher
+from paratrain.train.torch_data import TorchBatchSource, TorchData, TorchPrefetcher
+
+
+def uses_documents(cfg) -> bool:
+    return is_document_spec(cfg.data, getattr(cfg, "tokenizer", None))
+
+
+def make_train_data(cfg, vocab_size: int):
+    """The training data set of a run config: DocumentData for documents, else make_dataset's."""
+    if not uses_documents(cfg):
+        if not getattr(cfg, "pack", True):
+            raise UserError("--no-pack applies to document data (JSON Lines / Parquet / Arrow / text with "
+                            "--tokenizer); token files and synthetic data are plain windows already")
+        return make_dataset(cfg.data, vocab_size, cfg.seq_len, cfg.seed, cfg.val_fraction)
+    part = "train" if cfg.val_fraction else "all"
+    return DocumentData(stream_config(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.seed, cfg.pack, cfg.text_field,
+                                      part, cfg.val_fraction), vocab_size)
+
+
+def make_batch_source(dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                      shares: tuple[int, ...] = (), workers: int = 1):
+    if isinstance(dataset, DocumentData):
+        return StreamBatchSource(dataset, global_batch, dp_rank, dp_size, micro_batch, shares, workers)
+    if isinstance(dataset, TorchData):
+        return TorchBatchSource(dataset, global_batch, dp_rank, dp_size, micro_batch, shares, workers)
+    return BatchSource(dataset, global_batch, dp_rank, dp_size, micro_batch, shares)
+
+
+def make_prefetcher(source, pin: bool = False, timeout_s: float | None = None, before_batch=None):
+    kinds = {StreamBatchSource: StreamPrefetcher, TorchBatchSource: TorchPrefetcher}
+    kind = kinds.get(type(source), Prefetcher)
+    return kind(source, pin=pin, timeout_s=timeout_s, before_batch=before_batch)

@@ -1,0 +1,170 @@
+"""Document sources: local JSON Lines / Parquet / Arrow / text files streamed through Hugging Face `datasets`.
+
+`--data 'web/*.jsonl:0.7,code.parquet:0.3'` names one or more sources, each a file, a glob or a directory,
+with an optional weight. A source yields its documents' text in file order, forever (epoch after epoch), and can
+start at any (epoch, offset): that pair is its whole position, so a resumed run reopens it exactly there.
+Nothing is downloaded: `datasets.load_dataset(<format>, data_files=..., streaming=True)` reads local files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from paratrain.errors import UserError
+
+# file suffix -> the `datasets` packaged builder that reads it
+FORMAT_OF = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
+             ".text": "text", ".md": "text", ".bin": "tokens"}
+TOKEN_SUFFIXES = (".bin",)
+HELD_OUT_STREAM = 424242  # the hash stream that decides which documents --val-fraction holds out
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of --data: its pattern, its files (sorted), its builder and its mixture weight."""
+
+    pattern: str
+    files: tuple[str, ...]
+    fmt: str
+    weight: float
+
+
+def is_document_spec(spec: str, tokenizer: str | None = None) -> bool:
+    """True when --data names documents to tokenize: JSON Lines / Parquet / Arrow files, a glob, a directory, a
+    weighted mixture, or anything but a token .bin with --tokenizer (a lone text file without one is raw bytes)."""
+    if spec == "synthetic":
+        return False
+    if tokenizer:
+        return Path(spec).suffix.lower() not in TOKEN_SUFFIXES
+    entries = [split_weight(part)[0] for part in spec.split(",")]
+    if len(entries) > 1 or spec != entries[0]:
+        return True
+    path = Path(entries[0])
+    if path.is_dir() or any(ch in entries[0] for ch in "*?["):
+        return True
+    return path.suffix.lower() in FORMAT_OF and path.suffix.lower() not in (".txt", ".text", ".md", *TOKEN_SUFFIXES)
+
+
+def split_weight(entry: str) -> tuple[str, float | None]:
+    """'a.jsonl:0.7' -> ('a.jsonl', 0.7); 'a.jsonl' -> ('a.jsonl', None)."""
+    head, sep, tail = entry.rpartition(":")
+    if sep and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass
+    return entry, None
+
+
+def expand_files(pattern: str) -> list[str]:
+    path = Path(pattern)
+    if path.is_dir():
+        found = [str(p) for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in FORMAT_OF]
+    elif any(ch in pattern for ch in "*?["):
+        found = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+    else:
+        found = [pattern] if path.is_file() else []
+    if not found:
+        raise UserError(f"--data {pattern}: no such file, or no JSON Lines / Parquet / Arrow / text files there")
+    return found
+
+
+def parse_sources(spec: str) -> list[SourceSpec]:
+    """--data 'A:w,B:w' -> the sources with normalised weights (an entry without a weight counts 1)."""
+    entries = [split_weight(part.strip()) for part in spec.split(",") if part.strip()]
+    if not entries:
+        raise UserError("--data is empty")
+    out = []
+    for pattern, weight in entries:
+        if weight is not None and not (weight > 0 and np.isfinite(weight)):
+            raise UserError(f"--data {pattern}:{weight:g}: a mixture weight must be a positive number")
+        files = expand_files(pattern)
+        suffixes = {Path(f).suffix.lower() for f in files}
+        formats = {FORMAT_OF.get(s) for s in suffixes}
+        if None in formats or len(formats) != 1:
+            raise UserError(f"--data {pattern}: its files must all be one of JSON Lines / Parquet / Arrow / text / "
+                            f"token .bin (found {', '.join(sorted(suffixes))})")
+        out.append(SourceSpec(pattern, tuple(files), formats.pop(), 1.0 if weight is None else weight))
+    total = sum(s.weight for s in out)
+    return [SourceSpec(s.pattern, s.files, s.fmt, s.weight / total) for s in out]
+
+
+def held_out(seed: int, index: int, fraction: float) -> bool:
+    """Whether document `index` of a source belongs to the --val-fraction held-out part (a pure hash)."""
+    from paratrain.train.data import uniform_hash
+
+    return bool(uniform_hash(seed, np.array([index]), HELD_OUT_STREAM)[0] < fraction)
+
+
+class DocumentSource:
+    """A source's documents as text, from position (epoch, offset) on. `part`: 'all', 'train' or 'val' (the
+    documents --val-fraction keeps for training or holds out; offsets count the source's documents in file order,
+    held-out ones included, so the position does not depend on the fraction's draw)."""
+
+    def __init__(self, spec: SourceSpec, text_field: str, seed: int = 0, part: str = "all", fraction: float = 0.0):
+        self.spec, self.text_field, self.seed, self.part, self.fraction = spec, text_field, seed, part, fraction
+
+    def _open(self):
+        if getattr(self, "_opened", None) is None:  # once: each epoch iterates the same streaming data set again
+            self._opened = self._load()
+        return self._opened
+
+    def _load(self):
+        from paratrain.interop.optional import require
+
+        # local files only: datasets never asks the Hub (set before its first import reads them)
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        datasets = require("datasets", "--data with JSON Lines / Parquet / Arrow / text files")
+        datasets.disable_progress_bars()
+        kwargs = {"sample_by": "document"} if self.spec.fmt == "text" else {}
+        try:
+            return datasets.load_dataset(self.spec.fmt, data_files=list(self.spec.files), split="train",
+                                         streaming=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the library raises many types for an unreadable file
+            raise UserError(f"--data {self.spec.pattern}: cannot read it: {str(exc).splitlines()[0][:200]}") from None
+
+    def _text(self, row: dict) -> str:
+        field = "text" if self.spec.fmt == "text" else self.text_field
+        if field not in row:
+            raise UserError(f"--data {self.spec.pattern}: a record has no field {field!r} (it has "
+                            f"{', '.join(sorted(row)) or 'none'}); name the text column with --text-field")
+        value = row[field]
+        if not isinstance(value, str):
+            raise UserError(f"--data {self.spec.pattern}: field {field!r} holds {type(value).__name__}, not text")
+        return value
+
+    def _keep(self, index: int) -> bool:
+        if self.part == "all" or self.fraction == 0:
+            return self.part != "val"
+        return held_out(self.seed, index, self.fraction) == (self.part == "val")
+
+    def documents(self, epoch: int = 0, offset: int = 0):
+        """Yields (epoch, offset after this document, text), forever; offset counts every document read."""
+        while True:
+            stream = self._open()
+            if offset:
+                stream = stream.skip(offset)
+            kept_any, whole_epoch = False, offset == 0
+            for row in stream:
+                index = offset
+                offset += 1
+                if self._keep(index):
+                    kept_any = True
+                    yield epoch, offset, self._text(row)
+            if not kept_any and whole_epoch:
+                what = "documents" if self.part == "all" else f"{self.part} documents (--val-fraction)"
+                raise UserError(f"--data {self.spec.pattern}: holds no {what}")
+            epoch, offset = epoch + 1, 0
+
+    def first_document(self) -> str:
+        """The first document's text (checks the files and --text-field before any process starts)."""
+        for row in self._open():
+            return self._text(row)
+        raise UserError(f"--data {self.spec.pattern}: holds no documents")
+

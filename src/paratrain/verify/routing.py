@@ -1,0 +1,65 @@
+"""Router decisions under verify: the same tokens must reach the same experts as on one device.
+
+Each MoE layer keeps, from its last forward, this rank's routing fingerprint (models/moe.py: per expert, the
+routed copies and the sum of their tokens' first feature). Summed over the ranks of one tensor-parallel
+column, a layer's fingerprint is that of the global batch, which the one-device reference computes at once:
+counts must be equal and the feature sums equal within fp32 rounding. A token sent to another expert
+changes both; the first layer (in model order) where they differ is reported.
+"""
+
+from __future__ import annotations
+
+from paratrain.verify.recorder import clean_name
+
+FEATURE_RTOL = 1e-4  # the feature sums add the same fp32 values in another order
+
+
+def routing_of(parts) -> dict:
+    """{layer name: [[copies per expert], [feature sum per expert]]} for this rank's MoE layers."""
+    out = {}
+    for part in parts:
+        for name, module in part.named_modules():
+            stats = getattr(module, "last_routing", None)
+            if stats is not None and hasattr(module, "dispatch"):
+                out[clean_name(name)] = stats.double().cpu().tolist()
+    return out
+
+
+def _layer_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in name.split("."))
+
+
+class RoutingCheck:
+    def __init__(self):
+        self.ok: bool | None = None  # None: no MoE layer
+        self.first: dict | None = None
+
+    def add(self, step: int, ref: dict, ranks: list[dict]) -> bool:
+        if not ref:
+            return True
+        total: dict[str, list[list[float]]] = {}
+        for rank in ranks:
+            for name, (counts, sums) in rank.items():
+                have = total.setdefault(name, [[0.0] * len(counts), [0.0] * len(sums)])
+                have[0] = [a + b for a, b in zip(have[0], counts)]
+                have[1] = [a + b for a, b in zip(have[1], sums)]
+        bad = [name for name in sorted(ref, key=_layer_key) if not self._same(ref[name], total.get(name))]
+        self.ok = (self.ok is not False) and not bad
+        if bad and self.first is None:
+            got = total.get(bad[0])
+            self.first = {"step": step, "layer": bad[0], "tokens_per_expert_ref": ref[bad[0]][0],
+                          "tokens_per_expert": got[0] if got else None}
+        return not bad
+
+    @staticmethod
+    def _same(ref, got) -> bool:
+        if got is None:
+            return False
+        (ref_counts, ref_sums), (counts, sums) = ref, got
+        if ref_counts != counts:
+            return False
+        scale = max(1.0, max(abs(v) for v in ref_sums))
+        return all(abs(a - b) <= FEATURE_RTOL * scale for a, b in zip(ref_sums, sums))
+
+    def result(self) -> dict:
+        return {"expert_assignments_match": self.ok, "first_assignment_mismatch": self.first}

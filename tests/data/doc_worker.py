@@ -1,0 +1,106 @@
+# The checks of tests/data that need a process group, in ONE 2-rank launch (gloo, CPU).
+"""Usage: torchrun --standalone --nproc-per-node 2 doc_worker.py SPEC.json -> rank 0 prints one JSON line.
+
+SPEC: {"base": {TrainConfig fields}, "masks": [{"id", "strategy", "fault": bool, ...}],
+       "fits": [{"id", "strategy", ...}], "vals": [{"id", "strategy", ...}]}
+masks: the first step's loss of packed rows under each strategy (every document's loss alone is the reference,
+computed on rank 0 on one device). fits: per-step losses of an uninterrupted run (the SIGKILL tests' reference).
+vals: val_loss after 2 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from paratrain.config import TrainConfig
+from paratrain.models.presets import build_model, model_args_for
+from paratrain.parallel.strategies import resolve_layout
+from paratrain.train.data_loading import make_prefetcher, make_train_data
+from paratrain.train.hooks import Hooks
+from paratrain.train.packing import IGNORE
+from paratrain.train.runtime import init_runtime, shutdown
+from paratrain.train.trainer import Trainer
+from paratrain.train.validate import validate_run
+
+
+def document_alone_loss(model, rows: dict) -> float:
+    """The mean over the real targets of every document of every row, each document run alone (no mask)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in range(rows["inputs"].shape[0]):
+            docs = rows["doc_ids"][r]
+            for d in np.unique(docs):
+                idx = np.flatnonzero(docs == d)
+                logits = model(torch.from_numpy(rows["inputs"][r, idx])[None])
+                targets = torch.from_numpy(rows["targets"][r, idx])
+                total += F.cross_entropy(logits[0], targets, reduction="sum").item()
+                count += int((targets != IGNORE).sum())
+    return total / count
+
+
+def trainer_for(rt, cfg: TrainConfig, fault: bool = False) -> Trainer:
+    hooks = Hooks()
+    if fault:
+        from support.drop_doc_mask import plugin
+
+        plugin(hooks)
+    if cfg.strategy == "single":  # the one-device run inside the group: rank 0 alone
+        return Trainer(cfg, rt, quiet=True, hooks=hooks, layout=resolve_layout(cfg, 1))
+    validate_run(cfg, rt.world_size)
+    return Trainer(cfg, rt, quiet=True, hooks=hooks)
+
+
+def first_step_loss(rt, cfg: TrainConfig, fault: bool) -> float:
+    trainer = trainer_for(rt, cfg, fault)
+    loader = make_prefetcher(trainer.source)
+    try:
+        return trainer.train_step(loader.next_step()[0])["loss"]
+    finally:
+        loader.close()
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    rt = init_runtime("cpu", 120.0)
+    base = {"nproc": rt.world_size, "device": "cpu", "metrics": False, "resume": "never", "timeout_s": 120.0,
+            **spec["base"]}
+    out: dict = {"masks": {}, "fits": {}, "vals": {}}
+    try:
+        for case in spec["masks"]:
+            fields = {k: v for k, v in case.items() if k not in ("id", "fault")}
+            cfg = TrainConfig(**{**base, "steps": 1, **fields})
+            if case["strategy"] == "single" and rt.rank != 0:
+                continue
+            loss = first_step_loss(rt, cfg, case.get("fault", False))
+            if rt.is_main:
+                rows = make_train_data(cfg, cfg.vocab_size).open().next_global_batch(cfg.global_batch)
+                model = build_model(model_args_for(cfg), "cpu", seed=cfg.seed).eval()
+                _, cols = np.nonzero(np.diff(rows["doc_ids"], axis=1))
+                chunk = cfg.seq_len // 4  # cp=2: the ring's blocks are chunks of seq/4 (parallel/ring_attention.py)
+                out["masks"][case["id"]] = {"loss": loss, "reference": document_alone_loss(model, rows),
+                                            "boundaries": len(cols),
+                                            "inside_ring_blocks": int(((cols + 1) % chunk != 0).sum())}
+        for case in spec["fits"]:
+            cfg = TrainConfig(**{**base, **{k: v for k, v in case.items() if k != "id"}})
+            validate_run(cfg, rt.world_size)
+            summary = Trainer(cfg, rt, quiet=True).fit()
+            out["fits"][case["id"]] = {"losses": summary["losses"], "tokens_per_source": summary["tokens_per_source"]}
+        for case in spec["vals"]:
+            cfg = TrainConfig(**{**base, **{k: v for k, v in case.items() if k != "id"}})
+            if case["strategy"] == "single" and rt.rank != 0:
+                continue
+            summary = trainer_for(rt, cfg).fit()
+            out["vals"][case["id"]] = summary["val_loss"]
+    finally:
+        shutdown()
+    if rt.is_main:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Preemption without a scheduler (train/preemption.py): the signal reaches one rank of two, at step 3; both
+ranks agree on that step (the per-step all-reduce of the flag), checkpoint together and stop with the
+preempted status. The real Slurm signal, the requeue, and a resume to an uninterrupted run's losses:
+test_real_slurm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import plugin_env, run_cli
+
+TRAIN = ["train", "--model", "tiny", "--nproc", "2", "--steps", "6", "--timeout-s", "60", "--json"]
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_signalled_both_checkpoint_at_its_step(tmp_path):
+    from paratrain.train.preemption import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    env = plugin_env("support.preempt_signal:plugin", PARATRAIN_TEST_PREEMPT_AT="1:3")
+    stopped = run_cli(*TRAIN, "--out", str(run_dir), "--preempt-signal", "USR1", env=env)
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr
+    summary = json.loads(stopped.stdout)
+    assert summary["stopped"] == "preempted" and summary["steps"] == 3, summary
+    assert json.loads((run_dir / "preempted.json").read_text())["step"] == 3
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-3"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step-3").glob("rng-rank-*")) == \
+        ["rng-rank-0.json", "rng-rank-1.json"]  # both ranks saved at that step
+
+
+def test_bad_preempt_signal_is_one_line():
+    result = run_cli("train", "--model", "tiny", "--steps", "1", "--preempt-signal", "KILL")
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "preempt_signal" in result.stderr, result
