@@ -25,7 +25,9 @@ def fit(model_fn: Callable | str, data: Callable | str | None = None, *, loss_fn
       `seed`, so all start from the same weights), or "FILE.py:FUNCTION" (the file's optional `loss_fn`,
       `data` and `tp_plan` are used too, unless given here).
     data: a module-level function `data(indices: np.ndarray) -> (inputs, targets)`, a pure function of the
-      sample indices; or a paratrain data spec ("synthetic", a token file) with `vocab_size=` for an LM.
+      sample indices; or a paratrain data spec ("synthetic", a token file, documents with `tokenizer=`) with
+      `vocab_size=` for an LM; or a torch Dataset / IterableDataset (`data_workers=N`), sharded across the
+      data-parallel ranks by paratrain (docs/data.md).
     loss_fn: `loss_fn(outputs, targets) -> scalar`; default: next-token cross entropy on (batch, seq, vocab).
     tp_plan: for strategy "tp": {module path: ParallelStyle}, or a function of the model returning one.
     config: any `paratrain train` setting by its config name: nproc, steps, global_batch, lr, seed, out,

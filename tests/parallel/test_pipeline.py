@@ -83,6 +83,8 @@ def _layout(**kw):
     """Resolve and check a pipeline run the way `train` does; return its micro-batch count."""
     from types import SimpleNamespace
 
+    from paratrain.parallel.layout import DEGREE_NAMES
+
     o = {"strategy": "pp", "schedule": "1f1b", "pp": 2, "virtual_stages": 1, "n_layers": 4, "global_batch": 16,
          "dp": 1, "microbatches": None, "micro_batch": None, "cp": 1, "dtype": "fp32", **kw}
     cfg = SimpleNamespace(strategy=o["strategy"], pp=o["pp"], dp_replicate=o["dp"], dp_shard=None, cp=o["cp"],
@@ -90,6 +92,9 @@ def _layout(**kw):
                           virtual_stages=o["virtual_stages"], micro_batch=o["micro_batch"],
                           global_batch=o["global_batch"], ac="none", dtype=o["dtype"], compile=False,
                           ddp_comm_hook="none", local_sgd_period=0, cpu_offload=False, warmup_steps=0, steps=1)
+    for name in DEGREE_NAMES:  # every registered dimension this case does not set (ep, ...) is left open
+        if not hasattr(cfg, name):
+            setattr(cfg, name, None)
     args = SimpleNamespace(n_layers=o["n_layers"], n_heads=4, kv_heads=4, ffn_dim=64, vocab_size=64)
     layout = resolve_layout(cfg, o["pp"] * o["dp"] * o["cp"])
     check_layout(layout, args, 64, o["global_batch"])

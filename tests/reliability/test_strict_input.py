@@ -32,7 +32,7 @@ def error_line(err: str, prefix: str = "error: ") -> str:
     (["train", "--config", "compile.toml"], "'compile': Input should be a valid boolean"),
     (["train", "--config", "nul.toml"], "'out': Value error, contains a control or line-break character"),
     (["launch", "slurm", "--out", "x PARATRAIN_CONFIG_EOF"], "contains PARATRAIN_CONFIG_EOF"),
-    (["train", *SMALL, "--data", "a-directory"], "--data a-directory is a directory"),
+    (["train", *SMALL, "--data", "a-directory"], "--data a-directory holds documents to tokenize: give --tokenizer"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, argv, message):
     (tmp_path / "seq_len.toml").write_text('seq_len = "16"\n')

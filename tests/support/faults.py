@@ -10,9 +10,7 @@ tests/parallel/test_tied_embeddings.py).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -20,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 from paratrain.errors import UserError
-from paratrain.train.hooks import Hooks, default_hooks
+from paratrain.train.hooks import Hooks
+from support.planting import FaultSet
 
 FAULT_ENV = "PARATRAIN_TEST_FAULT"
 FSDP_SKIPPED = "layers.0.feed_forward.w1.weight"  # (b): the parameter whose shard rank 1 does not update
@@ -40,29 +39,6 @@ MUTATIONS = {
 }
 
 
-def plant(name: str, hooks: Hooks) -> list:
-    """Register mutation `name` on `hooks`; returns the handles (remove() them to take it out)."""
-    if name not in MUTATIONS:
-        raise UserError(f"{name!r} is not a known mutation; known: {', '.join(MUTATIONS)}")
-    return PLANTERS[name](hooks)
-
-
-@contextlib.contextmanager
-def planted(name: str | None, hooks: Hooks | None = None):
-    """Mutation `name` (None: none) on `hooks` (default: this process's registry) while the block runs."""
-    handles = plant(name, hooks or default_hooks()) if name else []
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def plugin(hooks: Hooks) -> None:
-    """PARATRAIN_PLUGINS entry: plants the mutation PARATRAIN_TEST_FAULT names."""
-    name = os.environ.get(FAULT_ENV, "")
-    if name:
-        plant(name, hooks)
 
 
 def _plain_name(name: str) -> str:
@@ -244,3 +220,6 @@ PLANTERS = {
     "dp-split-unweighted": _plant_dp_split_unweighted,
     "tied-grad-not-summed": _plant_tied_grad_not_summed,
 }
+
+_FAULTS = FaultSet(PLANTERS, FAULT_ENV, "mutation", UserError)
+plant, planted, plugin = _FAULTS.plant, _FAULTS.planted, _FAULTS.plugin

@@ -8,13 +8,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import torch.distributed as dist
 
-from paratrain.train.hooks import Hooks, default_hooks
+from paratrain.train.hooks import Hooks
+from support.planting import FaultSet
 
 FAULT_ENV = "PARATRAIN_TEST_MOE_FAULT"
 FAULTS = {
@@ -103,24 +101,5 @@ PLANTERS = {"moe-wrong-splits": _wrong_splits, "moe-swapped-ids": _swapped_ids,
             "moe-biased-router": _biased_router}
 
 
-def plant(name: str, hooks: Hooks) -> list:
-    if name not in PLANTERS:
-        raise ValueError(f"{name!r} is not a known MoE fault; known: {', '.join(PLANTERS)}")
-    return PLANTERS[name](hooks)
-
-
-@contextlib.contextmanager
-def planted(name: str | None, hooks: Hooks | None = None):
-    handles = plant(name, hooks or default_hooks()) if name else []
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def plugin(hooks: Hooks) -> None:
-    """PARATRAIN_PLUGINS entry: plants the fault PARATRAIN_TEST_MOE_FAULT names."""
-    name = os.environ.get(FAULT_ENV, "")
-    if name:
-        plant(name, hooks)
+_FAULTS = FaultSet(PLANTERS, FAULT_ENV, "MoE fault")
+plant, planted, plugin = _FAULTS.plant, _FAULTS.planted, _FAULTS.plugin

@@ -223,7 +223,7 @@ class Layout:
     def to_dict(self) -> dict:
         # tuples as lists, as they come back from JSON (from_dict turns them back into tuples)
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self) if f.name != "mesh"}
+                for f in dataclasses.fields(self) if f.name not in ("mesh", "split_meshes")}  # built per run
 
     @classmethod
     def from_dict(cls, values: dict) -> Layout:
