@@ -106,6 +106,7 @@ def test_diagnosis_from_planted_records():
         "rank 3 never reached all_reduce #37 on dp_shard (it wrote no record)"]
 
 
+@pytest.mark.timeout(120)
 def test_recorder_writes_when_stalled_and_a_run_that_ends_well_leaves_nothing(tmp_path):
     from paratrain.train.flight_recorder import FlightRecorder
     from paratrain.train.hooks import Hooks
@@ -116,9 +117,9 @@ def test_recorder_writes_when_stalled_and_a_run_that_ends_well_leaves_nothing(tm
     hooks.phase("start")  # the first mark writes a "started" record (its pid: how a dead rank is told)
     record = json.loads((tmp_path / "hang" / "rank-0.json").read_text())
     assert record["reason"] == "started" and record["pid"] == os.getpid() and record["phase"] == "forward_backward"
-    deadline = time.monotonic() + 10  # no progress for 0.2 s: the watchdog writes again
+    # no progress for 0.2 s: the watchdog writes again (however long that takes on a loaded machine; the test's
+    # own timeout ends a watchdog that never writes)
     while json.loads((tmp_path / "hang" / "rank-0.json").read_text())["reason"] != "stalled":
-        assert time.monotonic() < deadline
         time.sleep(0.05)
     recorder.close()
     assert not (tmp_path / "hang").exists()
