@@ -238,13 +238,11 @@ def rank_slice(global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
     return local, offset
 
 
-class BatchSource:
-    """Yields this rank's micro-batches for each optimizer step.
-
-    global_batch samples per step are cut into `dp` contiguous rank slices, then each slice into
-    micro-batches of `micro_batch`. Position (step) is the only state, so resuming is exact. `shares`
-    (--dp-batch-split): each rank's slice size, in rank order, instead of global_batch / dp for all.
-    """
+class SlicedSource:
+    """What every batch source shares (token windows here, documents in stream_loader.py, a user's data set in
+    torch_data.py): global_batch samples per step cut into `dp` contiguous rank slices, then each slice into
+    micro-batches of `micro_batch`. `shares` (--dp-batch-split): each rank's slice size, in rank order, instead
+    of global_batch / dp for all."""
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
                  shares: tuple[int, ...] = ()):
@@ -259,6 +257,11 @@ class BatchSource:
     @property
     def accumulation_steps(self) -> int:
         return self.local // self.micro_batch
+
+
+class BatchSource(SlicedSource):
+    """Yields this rank's micro-batches for each optimizer step. Position (step) is the only state, so resuming
+    is exact."""
 
     def rank_batch(self, step: int) -> Batch:
         first = step * self.global_batch + self.offset

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch
+from paratrain.train.data import Batch, SlicedSource
 from paratrain.train.doc_stream import DocumentStream, StreamConfig, StreamState, real_tokens
 
 
@@ -75,26 +75,15 @@ class _RankSlices(torch.utils.data.IterableDataset):
             yield {**mine, "global_tokens": real_tokens(rows["targets"]), "state": stream.state_json()}
 
 
-class StreamBatchSource:
+class StreamBatchSource(SlicedSource):
     """The BatchSource of document data: the same slicing (global batch -> dp slices -> micro-batches); its state
     is the step and the stream's state after it."""
 
     def __init__(self, data: DocumentData, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
                  shares: tuple[int, ...] = (), workers: int = 1):
-        from paratrain.train.data import rank_slice
-
-        self.local, self.offset = rank_slice(global_batch, dp_rank, dp_size, micro_batch, shares)
-        self.dataset, self.global_batch, self.micro_batch = data, global_batch, micro_batch
-        self.dp_rank, self.workers = dp_rank, workers
-        self.step, self.stream_state = 0, None
+        super().__init__(data, global_batch, dp_rank, dp_size, micro_batch, shares)
+        self.workers, self.stream_state = workers, None
         self.reader = None  # next_step()'s in-process stream, at the current state
-
-    def describe(self) -> str:
-        return self.dataset.path
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.local // self.micro_batch
 
     def state_dict(self) -> dict:
         return {"step": self.step, "stream": self.stream_state}

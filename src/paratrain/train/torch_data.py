@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch, rank_slice
+from paratrain.train.data import Batch, SlicedSource
 
 
 def is_torch_dataset(data) -> bool:
@@ -74,21 +74,13 @@ class _RankRows(IterableDataset):
             yield from rows[self.offset:self.offset + self.local]
 
 
-class TorchBatchSource:
+class TorchBatchSource(SlicedSource):
     """The BatchSource of a user's data set: step is its whole state."""
 
     def __init__(self, data: TorchData, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
                  shares: tuple[int, ...] = (), workers: int = 1):
-        self.local, self.offset = rank_slice(global_batch, dp_rank, dp_size, micro_batch, shares)
-        self.dataset, self.global_batch, self.micro_batch, self.workers = data, global_batch, micro_batch, workers
-        self.dp_rank, self.step = dp_rank, 0
-
-    def describe(self) -> str:
-        return self.dataset.path
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.local // self.micro_batch
+        super().__init__(data, global_batch, dp_rank, dp_size, micro_batch, shares)
+        self.workers = workers
 
     def state_dict(self) -> dict:
         return {"step": self.step}
