@@ -30,6 +30,21 @@ def test_one_rank_signalled_both_checkpoint_at_its_step(tmp_path):
         ["rng-rank-0.json", "rng-rank-1.json"]  # both ranks saved at that step
 
 
+@pytest.mark.timeout(120)
+def test_a_signal_while_the_trainer_is_built_stops_at_the_first_step(tmp_path):
+    """Before the trainer installs its handler (here: while the model is parallelized) the signal is not lost:
+    the worker watches for it from its start, and the run checkpoints at step 1 and stops as preempted."""
+    from paratrain.train.preemption import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    env = plugin_env("support.preempt_signal:plugin", PARATRAIN_TEST_PREEMPT_AT="0:0")
+    stopped = run_cli("train", "--model", "tiny", "--steps", "4", "--json", "--out", str(run_dir),
+                      "--preempt-signal", "USR1", env=env)
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr
+    assert json.loads(stopped.stdout)["steps"] == 1
+    assert json.loads((run_dir / "preempted.json").read_text())["step"] == 1
+
+
 def test_bad_preempt_signal_is_one_line():
     result = run_cli("train", "--model", "tiny", "--steps", "1", "--preempt-signal", "KILL")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "preempt_signal" in result.stderr, result

@@ -33,6 +33,19 @@ STOP_REASON = "preempted"
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on the signal, checkpoint saved; run again to go on
 
 
+# signal number -> time.monotonic() of a signal that came before a trainer attached (watch_early)
+_EARLY: dict[int, float] = {}
+
+
+def watch_early(name: str | None) -> None:
+    """Watch for the signal from the worker's start, so one that comes while the runtime starts or the model
+    loads (minutes for a large checkpoint) is kept for the trainer, which stops at its first step, instead of
+    lost: a Slurm job's ranks ignore the signal until a handler is installed."""
+    if not name or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal_number(name), lambda signum, frame: _EARLY.setdefault(signum, time.monotonic()))
+
+
 def signal_number(name: str) -> int:
     number = getattr(signal, f"SIG{name.upper().removeprefix('SIG')}", None)
     if not isinstance(number, signal.Signals):
@@ -58,6 +71,7 @@ class Preemption:
             log.warning("--preempt-signal: not the main thread, no signal handler installed")
             return self
         self._previous = signal.signal(self.signum, self._on_signal)
+        self.received_at = _EARLY.pop(self.signum, self.received_at)
         self._handles.append(trainer.hooks.after_step(self.after_step))
         if trainer.rt.is_main and trainer.run_dir is not None:
             (trainer.run_dir / MARKER).unlink(missing_ok=True)  # this run has not been preempted yet

@@ -11,6 +11,7 @@ from pathlib import Path
 from paratrain.errors import CheckFailed, UserError
 from paratrain.train.faults import CollectiveFailure, describe_collective_failure
 from paratrain.train.flight_recorder import FlightRecorder, enable_torch_recorder
+from paratrain.train.preemption import watch_early
 
 log = logging.getLogger("paratrain")
 
@@ -29,6 +30,7 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
     from paratrain.train.trainer import Trainer
 
     cfg = TrainConfig(**cfg_dict)
+    watch_early(cfg.preempt_signal)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     trainer, error, summary = None, None, None
