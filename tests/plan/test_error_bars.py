@@ -41,6 +41,10 @@ def test_families_follow_the_layout():
     assert layout_family(Layout(dp_replicate=8)) == "DDP/ZeRO-1"
     assert layout_family(Layout(tp=8, dp_shard=4)) == "tensor-parallel"
     assert layout_family(Layout(tp=8, pp=4, dp_shard=2)) == "pipeline"
+    # expert parallelism first, and its bar is measured on MoE runs alone (no dense family counts them)
+    assert layout_family(Layout(pp=4, dp_shard=64, ep=64)) == "expert-parallel"
+    bars = _shipped()["families"]
+    assert bars["expert-parallel"]["family"] == "expert-parallel" and bars["all"]["cases"] == 26
 
 
 def test_the_shipped_bars_match_the_case_list_and_cost_model():

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.errors import UserError
-from paratrain.parallel.layout import DEGREE_NAMES, DIM_NAMES, Layout, subdivision_problem
+from paratrain.parallel.layout import DEGREE_DIMS, DIM_NAMES, Layout, subdivision_problem
 from paratrain.parallel.options import (
     AC_MODES,
     CP_IMPLS,
@@ -30,9 +30,13 @@ from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, 
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
 from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
-from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
+from paratrain.plan.layout_rules import ac_problem, admitted, structural_problem, unpriceable
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
+SUBDIVIDING_DIMS = tuple(d for d in DEGREE_DIMS if not d.world_factor)
+# the dims that add no ranks which the search tries above 1 when left open, and for which models: --ep splits an
+# MoE model's experts (its degree must divide them); any other such dim stays at 1 unless fixed
+SUBDIVISION_SEARCHED = {"ep": lambda args, n: args.moe and args.n_experts % n == 0}
 
 
 @dataclass
@@ -81,32 +85,57 @@ def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
         degrees = dict(zip(DIM_NAMES, factors))
         if any(fixed.get(k) is not None and fixed[k] != v for k, v in degrees.items()):
             continue
-        # the dims that add no ranks are not searched: as fixed, else 1
-        degrees = {n: degrees[n] if n in degrees else fixed.get(n) or 1 for n in DEGREE_NAMES}
-        if subdivision_problem(degrees):
+        if cp_too_short(job, degrees, fixed):
             continue
-        pp, cp, tp = degrees["pp"], degrees["cp"], degrees["tp"]
-        if cp > 1 and fixed.get("cp") is None and job.seq_len < CP_MIN_SEQ:
-            continue
-        stages = zero_stages(degrees)
-        if fixed.get("zero_stage") is not None:
-            stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
-        # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
-        # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP
-        sps = ((fixed["sp"],) if fixed.get("sp") is not None else (True,)) if tp > 1 else (False,)
-        impls = CP_IMPLS if cp > 1 else CP_IMPLS[:1]
-        schedules = [(DEFAULT_PP_SCHEDULE, 1)]
-        if pp > 1:
-            schedules = [(sched, stages_per_rank(sched)) for sched in searched_schedules]
-        for stage, sp, impl, (sched, v) in itertools.product(stages, sps, impls, schedules):
-            if fixed.get("cp_impl") and cp > 1 and impl != fixed["cp_impl"]:
-                continue
-            if fixed.get("pp_schedule") and pp > 1:
-                sched = fixed["pp_schedule"]
-                v = fixed.get("virtual_stages") or stages_per_rank(sched)
-            out.append(Layout(**degrees, zero_stage=stage, sp=sp, cp_impl=impl, pp_schedule=sched,
-                              virtual_stages=v, **job.layout_options()))
+        for subdivided in subdivision_degrees(job, degrees, fixed):
+            out += layouts_of_degrees(job, {**degrees, **subdivided}, fixed, searched_schedules)
     return list(dict.fromkeys(out))
+
+
+def cp_too_short(job: Job, degrees: dict, fixed: dict) -> bool:
+    return degrees["cp"] > 1 and fixed.get("cp") is None and job.seq_len < CP_MIN_SEQ
+
+
+def subdivision_degrees(job: Job, degrees: dict, fixed: dict) -> list[dict[str, int]]:
+    """The degrees of the dims that add no ranks (dims.py `within`): as fixed; else every divisor of the ranks they
+    subdivide where the model has something to split that way (--ep: an MoE model's experts), else 1."""
+    options = []
+    for dim in SUBDIVIDING_DIMS:
+        if fixed.get(dim.name) is not None:
+            options.append([(dim.name, fixed[dim.name])])
+            continue
+        ranks = math.prod(degrees[d] for d in dim.within)
+        searched = SUBDIVISION_SEARCHED.get(dim.name, lambda args, n: n == 1)
+        options.append([(dim.name, n) for n in divisors(ranks) if n == 1 or searched(job.args, n)])
+    out = [dict(combo) for combo in itertools.product(*options)]
+    return [d for d in out if not subdivision_problem({**degrees, **d})]
+
+
+def layouts_of_degrees(job: Job, degrees: dict, fixed: dict, searched_schedules: list[str]) -> list[Layout]:
+    """Every (ZeRO stage, SP, CP flavour, schedule) of one set of degrees."""
+    out = []
+    pp, cp, tp = degrees["pp"], degrees["cp"], degrees["tp"]
+    stages = zero_stages(degrees)
+    if fixed.get("zero_stage") is not None:
+        stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
+    # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
+    # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP. --ep runs without SP
+    # (parallel/expert_parallel.py check_ep), so an expert-parallel layout gets plain TP
+    plain_tp = degrees.get("ep", 1) > 1
+    sps = ((fixed["sp"],) if fixed.get("sp") is not None else (not plain_tp,)) if tp > 1 else (False,)
+    impls = CP_IMPLS if cp > 1 else CP_IMPLS[:1]
+    schedules = [(DEFAULT_PP_SCHEDULE, 1)]
+    if pp > 1:
+        schedules = [(sched, stages_per_rank(sched)) for sched in searched_schedules]
+    for stage, sp, impl, (sched, v) in itertools.product(stages, sps, impls, schedules):
+        if fixed.get("cp_impl") and cp > 1 and impl != fixed["cp_impl"]:
+            continue
+        if fixed.get("pp_schedule") and pp > 1:
+            sched = fixed["pp_schedule"]
+            v = fixed.get("virtual_stages") or stages_per_rank(sched)
+        out.append(Layout(**degrees, zero_stage=stage, sp=sp, cp_impl=impl, pp_schedule=sched,
+                          virtual_stages=v, **job.layout_options()))
+    return out
 
 
 def model_states(job: Job, lay: Layout) -> dict[str, float]:
@@ -230,6 +259,8 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
     if not fixed.get("ac"):
         for ac in AC_MODES[:AC_MODES.index(screened.layout.ac)]:
             lay = with_micro_batch(screened.layout, job, ac, screened.layout.micro_batch)
+            if ac_problem(lay):
+                continue
             trial = evaluate(job, hw, lay)
             trial.runtime_unsupported = screened.runtime_unsupported  # no runtime rule looks at the AC
             if trial.feasible:

@@ -340,7 +340,9 @@ def moe_all_to_all(profile: HardwareProfile, args: ModelArgs, layout: Layout, se
                    layers: int, est: TimeEstimate | None = None) -> float:
     """Seconds per micro-batch of --ep's token exchange on `layers` MoE blocks, balanced routing: each layer
     sends its T*k routed copies (of dim values) to their experts and gets them back, forward and backward (4
-    all-to-alls), plus the split counts. Not overlapped with compute (as torchtitan runs it)."""
+    all-to-alls), plus the split counts. Activation checkpointing (full or selective) replays the block's forward
+    in the backward, exchanges included (they are autograd functions around all_to_all_single, which no AC policy
+    saves): 2 more all-to-alls and the counts again. Not overlapped with compute (as torchtitan runs it)."""
     if layout.ep <= 1 or not args.moe or layers <= 0:
         return 0.0
     tokens = layout.micro_batch * seq_len // layout.cp
@@ -348,9 +350,11 @@ def moe_all_to_all(profile: HardwareProfile, args: ModelArgs, layout: Layout, se
     where, rails = ep_placement(layout, profile.gpu.gpus_per_node)
     one = collective_time(profile, "all_to_all", payload, layout.ep, where, rails)
     counts = collective_time(profile, "all_to_all", args.n_experts * 8, layout.ep, where, rails)
+    forwards = 2 if layout.ac != "none" else 1
+    exchanges = 2 * forwards + 2
     if est is not None:
-        est.add_comm("all_to_all", payload, layout.ep, 4 * layers * layout.microbatches)
-    return layers * (4 * one + counts)
+        est.add_comm("all_to_all", payload, layout.ep, exchanges * layers * layout.microbatches)
+    return layers * (exchanges * one + forwards * counts)
 
 
 def moe_layers_on(args: ModelArgs, layers: int) -> int:

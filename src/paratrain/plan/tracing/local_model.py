@@ -353,7 +353,7 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
     if args.moe:
         from paratrain.plan.tracing.moe_trace import trace_balanced_moe
 
-        trace_balanced_moe(model, ep)
+        trace_balanced_moe(model, ep, log)
     if part in ("middle", "last"):
         model.tok_embeddings = None
     if part in ("first", "middle"):

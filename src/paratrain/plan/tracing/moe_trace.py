@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def balanced_forward(moe: nn.Module, ep: int = 1):
+def balanced_forward(moe: nn.Module, ep: int = 1, log=None):
     """Under --ep the rank runs the T*k copies of its ep group's tokens that its E/ep experts receive (as many
     as it sends, balanced), reading and accumulating gradients into only those experts' weights."""
     experts, k, n = moe.experts, moe.top_k, moe.n_experts // ep
@@ -29,6 +29,8 @@ def balanced_forward(moe: nn.Module, ep: int = 1):
         # data-dependent ones at their balanced sizes: same tensors alive, same bytes moved
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if ep > 1 and torch.is_autocast_enabled(flat.device.type):
+            flat = flat.to(torch.get_autocast_dtype(flat.device.type))  # FSDP2's bf16 block input
         scores = torch.softmax(moe.router.gate(flat).float(), dim=-1)
         top = torch.topk(scores, k, dim=-1)
         gates, ids = top.values.type_as(flat).flatten(), top.indices.flatten()
@@ -36,13 +38,14 @@ def balanced_forward(moe: nn.Module, ep: int = 1):
         order = ids.argsort(stable=True)
         copies = flat[tokens[order]]
         if ep > 1:  # what arrives from the all-to-all, regrouped by local expert
-            copies = copies.clone()[order]
+            copies = exchanged(copies, log)[order]
         per_expert = math.ceil(copies.shape[0] / n)
-        padded = F.pad(copies, (0, 0, 0, per_expert * n - copies.shape[0])).view(n, per_expert, -1)
+        pad = per_expert * n - copies.shape[0]  # balanced routing fills every expert alike: usually none
+        padded = (F.pad(copies, (0, 0, 0, pad)) if pad else copies).view(n, per_expert, -1)
         hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
         routed = torch.bmm(hidden, w2).reshape(n * per_expert, -1)[: copies.shape[0]]
         if ep > 1:  # back in arrival order, then through the all-to-all home
-            routed = torch.zeros_like(routed).index_copy(0, order, routed).clone()
+            routed = exchanged(torch.zeros_like(routed).index_copy(0, order, routed), log)
         routed = torch.zeros_like(routed).index_copy(0, order, routed)
         out = torch.zeros_like(flat).index_add(0, tokens, routed * gates[:, None])
         if moe.shared is not None:
@@ -50,6 +53,14 @@ def balanced_forward(moe: nn.Module, ep: int = 1):
         return out.view(shape)
 
     return forward
+
+
+def exchanged(x: torch.Tensor, log) -> torch.Tensor:
+    """The all-to-all's output buffer: allocated like the runtime's, its transfer priced by moe_all_to_all."""
+    if log is None:
+        return x.clone()
+    with log.simulating():
+        return x.clone()
 
 
 def split_experts(experts: nn.Module, ep: int) -> None:
@@ -61,9 +72,9 @@ def split_experts(experts: nn.Module, ep: int) -> None:
             experts.register_parameter(f"{name}_{i}", nn.Parameter(part.clone()))
 
 
-def trace_balanced_moe(model: nn.Module, ep: int = 1) -> None:
-    """Swap every MoE layer of a model the planner traces for its balanced stand-in."""
+def trace_balanced_moe(model: nn.Module, ep: int = 1, log=None) -> None:
+    """Swap every MoE layer of a model the planner traces for its balanced stand-in (`log`: the trace's CommLog)."""
     from paratrain.models.moe import moe_layers
 
     for _, moe in moe_layers(model):
-        moe.forward = balanced_forward(moe, ep)
+        moe.forward = balanced_forward(moe, ep, log)

@@ -1,0 +1,121 @@
+"""--ep in the planner's open search: an MoE model gets expert-parallel candidates ranked with the rest (each one
+a layout the runtime accepts), a dense model never does, and a fixed --ep stays fixed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.models.presets import get_preset
+from paratrain.parallel.checks import check_layout
+from paratrain.parallel.layout import Layout
+from paratrain.plan.search import Job, base_layouts
+
+
+def test_base_layouts_search_ep_for_moe_models_only():
+    moe = Job(args=get_preset("moe-tiny"), model_name="moe-tiny", gpus=8, seq_len=64, global_batch=16)
+    layouts = base_layouts(moe, {}, 8)
+    eps = {lay.ep for lay in layouts}
+    assert eps == {1, 2, 4}, eps  # moe-tiny has 4 experts: ep must divide them and dp_shard x cp
+    for lay in layouts:
+        if lay.ep > 1:
+            assert (lay.dp_shard * lay.cp) % lay.ep == 0 and not lay.sp, lay.label()
+    dense = Job(args=get_preset("tiny"), model_name="tiny", gpus=8, seq_len=64, global_batch=16)
+    assert {lay.ep for lay in base_layouts(dense, {}, 8)} == {1}
+    assert {lay.ep for lay in base_layouts(moe, {"ep": 2}, 8)} == {2}  # fixed by the user: not searched
+
+
+def _candidates(cli, model: str) -> list[dict]:
+    res = cli("plan", "--model", model, "--gpu", "h100-sxm", "--gpus", "4", "--seq-len", "64", "--global-batch", "8",
+              "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["candidates"]
+
+
+def test_plan_json_ranks_ep_candidates_and_the_chosen_one_runs(cli):
+    cands = _candidates(cli, "moe-tiny")
+    with_ep = [c for c in cands if c["dims"]["ep"] > 1]
+    assert with_ep, [c["dims"] for c in cands]
+    args = get_preset("moe-tiny")
+    for cand in [cands[0], *with_ep]:  # the recommended layout and every expert-parallel one: runnable as planned
+        d = cand["dims"]
+        lay = Layout(**d, zero_stage=3 if d["dp_shard"] > 1 else 0, micro_batch=cand["micro_batch"],
+                     microbatches=8 // (d["dp_replicate"] * d["dp_shard"]) // cand["micro_batch"])
+        check_layout(lay, args, 64, 8, "cuda")
+        assert f"--ep {d['ep']}" in cand["command"]
+        assert d["ep"] == 1 or cand["activation_checkpointing"] != "selective"  # the runtime fails with it
+    assert all(c["dims"]["ep"] == 1 for c in _candidates(cli, "tiny"))
+
+
+def test_inter_node_all_to_all_pays_each_ranks_own_nic():
+    """An all-to-all over 64 ranks, 8 to a node: each rank sends 56/64 of its payload through its own NIC (a ring's
+    rails do not apply: no NIC is borrowed), the rest over NVLink meanwhile."""
+    from paratrain.gpu_catalog import get_gpu
+    from paratrain.plan.costing.collectives import collective_time
+    from paratrain.plan.inputs.hardware import profile_from_spec
+
+    prof = profile_from_spec(get_gpu("h100-sxm"))
+    payload = 1e9
+    t = collective_time(prof, "all_to_all", payload, 64, "inter", rails=8)
+    latency = prof.latency_us.get("inter", 10.0) * 1e-6 * 63
+    assert t - latency == pytest.approx(payload * 56 / 64 / (prof.link_gbs["inter"] * 1e9))
+    # a ring collective still spreads over the node's NICs
+    assert collective_time(prof, "all_gather", payload, 64, "inter", rails=8) < t
+
+
+def test_activation_checkpointing_replays_the_expert_exchange():
+    """The runtime re-runs each MoE layer's dispatch and combine when AC replays the block's forward (counted on 2
+    gloo ranks: moe_dispatch 2 -> 4 per step with --ac full), so the planner prices 6 all-to-alls, not 4; and
+    --ac selective, which the runtime fails with under --ep, is never offered with it."""
+    from paratrain.gpu_catalog import get_gpu
+    from paratrain.plan.costing.time import TimeEstimate, moe_all_to_all
+    from paratrain.plan.inputs.hardware import profile_from_spec
+    from paratrain.plan.layout_rules import ac_problem
+
+    prof = profile_from_spec(get_gpu("h100-sxm"))
+    args = get_preset("qwen3-30b-a3b")
+    sent = {}
+    for ac in ("none", "full"):
+        est = TimeEstimate()
+        lay = Layout(dp_shard=8, ep=8, zero_stage=3, micro_batch=1, microbatches=2, ac=ac)
+        moe_all_to_all(prof, args, lay, 4096, "bf16", 48, est)
+        sent[ac] = est.comm_by_kind["all_to_all"]
+    assert sent["full"] == pytest.approx(sent["none"] * 6 / 4)
+    assert ac_problem(Layout(dp_shard=2, ep=2, ac="selective")) and not ac_problem(Layout(dp_shard=2, ep=2, ac="full"))
+    assert ac_problem(Layout(dp_shard=2, ac="selective")) is None
+
+
+def test_the_traced_stand_in_routes_in_bf16_under_ep_and_prices_no_exchange_as_compute():
+    """Under --ep the runtime is FSDP2 with bf16 parameters, which hands each block bf16 inputs: the routed copies are
+    bf16 there (fp32 without --ep, the trace's residual dtype). The all-to-all buffers are allocated as communication
+    (CommLog.simulating), and balanced routing needs no padding copy."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.models.moe import MoE
+    from paratrain.plan.tracing.local_model import CommLog
+    from paratrain.plan.tracing.moe_trace import balanced_forward
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, log):
+            super().__init__()
+            self.log, self.seen = log, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.seen.append((func.__name__, out.dtype, self.log.in_comm))
+            return out
+
+    args = get_preset("moe-tiny")
+    for ep, routed_dtype in ((1, torch.float32), (2, torch.bfloat16)):
+        moe, log = MoE(args), CommLog()
+        forward = balanced_forward(moe, ep, log)
+        with Ops(log) as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+            forward(torch.randn(2, 16, args.dim))
+        gathers = [dtype for name, dtype, _ in ops.seen if name.startswith("index.") and dtype.is_floating_point]
+        assert gathers and set(gathers) == {routed_dtype}, ops.seen
+        assert not any(name.startswith("constant_pad_nd") for name, _, _ in ops.seen)
+        in_comm = [name for name, _, comm in ops.seen if comm]
+        assert in_comm == (["clone.default"] * 2 if ep > 1 else []), in_comm
