@@ -19,7 +19,7 @@ FAULTS = {
     "moe-wrong-splits": "rank 1 reads the all-to-all split counts of each source in reverse expert order: "
                         "as many rows arrive, but at the wrong local experts",
     "moe-swapped-ids": "rank 1's router sends expert 0's tokens to expert 1 and expert 1's to expert 0",
-    "moe-dropped-expert-grad": "rank 1 drops its gradient of the experts' w2 (layer 0)",
+    "moe-dropped-expert-grad": "rank 1 drops its gradient of the experts' w2 / down_proj (layer 0)",
     "moe-aux-per-rank": "the balancing loss counts this rank's tokens only (its all-reduce is dropped)",
     "moe-biased-router": "every router prefers expert 0 by a large margin (a collapsed router; for doctor)",
 }
@@ -27,6 +27,12 @@ FAULTS = {
 
 def _is_router(module) -> bool:
     return hasattr(module, "expert_bias") and hasattr(module, "top_k")
+
+
+def _is_hf_router(module) -> bool:
+    """A transformers 5 MoE router (Qwen3-MoE, Mixtral, OLMoE): returns (logits, gates, expert ids)."""
+    return hasattr(module, "top_k") and hasattr(module, "num_experts") and isinstance(
+        getattr(module, "weight", None), torch.Tensor)
 
 
 def _rank() -> int:
@@ -51,6 +57,11 @@ def _swap_ids(module, args, output):
     return gates, swapped, probs
 
 
+def _swap_hf_ids(module, args, output):
+    logits, gates, ids = output
+    return logits, gates, torch.where(ids == 0, 1, torch.where(ids == 1, 0, ids))
+
+
 def _swapped_ids(hooks: Hooks) -> list:
     def after_parallelize(module, layout):
         if _rank() != 1:
@@ -58,6 +69,8 @@ def _swapped_ids(hooks: Hooks) -> list:
         for m in module.modules():
             if _is_router(m):
                 m.register_forward_hook(_swap_ids)
+            elif _is_hf_router(m):
+                m.register_forward_hook(_swap_hf_ids)
 
     return [hooks.after_parallelize(after_parallelize)]
 
@@ -68,7 +81,8 @@ def _dropped_expert_grad(hooks: Hooks) -> list:
             return
         for part in trainer.step_runner.model_parts:
             for name, p in part.named_parameters():
-                if name.endswith("experts.w2") and ".0." in f".{name}" and p.grad is not None:
+                # paratrain's experts.w2, or a transformers MoE's fused experts.down_proj
+                if name.endswith(("experts.w2", "experts.down_proj")) and ".0." in f".{name}" and p.grad is not None:
                     (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).zero_()
 
     return [hooks.on_gradients(on_gradients)]

@@ -6,7 +6,8 @@ So memory holds one shard's worth of tensors at a time (a single tensor larger t
 of its own). Nothing is unpickled: `.metadata` goes through the restricted reader of safe_dcp.py.
 
 The manifest's `model_source` says which model the checkpoint holds, and so which writer runs: a paratrain
-preset (LlamaForCausalLM / GPT2LMHeadModel, converted by interop/hf_format.py), a transformers model trained with
+preset (LlamaForCausalLM / GPT2LMHeadModel, converted by interop/hf_format.py; an MoE preset as
+MixtralForCausalLM, convert/moe_preset_export.py), a transformers model trained with
 `--model hf:DIR` (written back in its own format: convert/hf_model_export.py), or a user's own nn.Module (a plain
 safetensors state dict: convert/state_dict_export.py).
 """
@@ -105,13 +106,19 @@ def preset_plan(step_dir: Path, manifest: dict) -> ExportPlan:
     except (KeyError, TypeError):
         raise UserError(f"{step_dir}/{MANIFEST} describes no model paratrain knows (no preset arguments, no hf: "
                         "source, no custom model): nothing says which format to write") from None
-    specs = hf_tensors(args)
+    config_of, specs = hf_config, None
+    if args.moe:  # written as MixtralForCausalLM, or refused (convert/moe_preset_export.py)
+        from paratrain.convert import moe_preset_export as moe
+
+        moe.check_mixtral_exportable(args)
+        config_of, specs = moe.mixtral_config, moe.mixtral_tensors(args)
+    specs = specs or hf_tensors(args)
 
     def finish(out: Path, dtype: str) -> list[str]:
-        write_json(out / "config.json", hf_config(args, dtype))
+        write_json(out / "config.json", config_of(args, dtype))
         return ["config.json"]
 
-    return ExportPlan("preset", hf_config(args)["architectures"][0], specs, _check_sources(step_dir, specs), finish)
+    return ExportPlan("preset", config_of(args)["architectures"][0], specs, _check_sources(step_dir, specs), finish)
 
 
 def read_tensors(step_dir: Path, shapes: dict[str, tuple], fqns: list[str]) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@ The names are the transformers model's own: the checkpoint holds the wrapper's n
 from HFCausalLM, or `tok_embeddings` / `layers.N` / `norm` / `output` from a pipeline run's stages:
 models/hf_pipeline.py), mapped back here. The model is built on the meta device from the run's config.json (no
 memory, no weights) to know its exact key set; a tied head is written once, as `save_pretrained` does (the
-token table, not `lm_head.weight`), so `from_pretrained` reports no missing or unexpected keys.
+token table, not `lm_head.weight`), so `from_pretrained` reports no missing or unexpected keys. Tensors transformers
+keeps in another layout than it saves (MoE experts, fused in memory, one per expert on disk) are written as
+save_pretrained writes them (convert/hf_saved_format.py).
 
 Beside the weights: config.json (the source's, with `architectures` and the dtype written), and the source
 directory's generation config and tokenizer files, copied when present. The config comes from the manifest
@@ -20,8 +22,9 @@ from pathlib import Path
 import torch
 
 from paratrain.convert.export_plan import ExportPlan, checkpoint_tensors, write_json
+from paratrain.convert.hf_saved_format import saved_format_specs
 from paratrain.errors import UserError
-from paratrain.interop.hf_format import TORCH_DTYPE_NAMES, renamed
+from paratrain.interop.hf_format import TORCH_DTYPE_NAMES
 from paratrain.models.hf_files import HF_PREFIX, read_hf_config
 
 log = logging.getLogger("paratrain")
@@ -119,7 +122,7 @@ def hf_model_plan(step_dir: Path, manifest: dict) -> ExportPlan:
         if stored[by_name[name]][0] != shape:
             raise UserError(f"{step_dir}: tensor {by_name[name]} has shape {list(stored[by_name[name]][0])}, but "
                             f"{name} of {spec} is {list(shape)}: it was not saved from this model")
-    specs = [renamed(name, by_name[name], shape) for name, shape in expected.items()]
+    specs = saved_format_specs(model, expected, by_name)  # e.g. fused MoE experts written one per expert
 
     def finish(out: Path, dtype: str) -> list[str]:
         return write_companions(out, doc, architecture, dtype, directory, spec)

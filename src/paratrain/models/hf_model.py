@@ -76,8 +76,10 @@ class HFCausalLM(nn.Module):
         return out is not None and out.weight is inp.weight
 
     def use_attention(self, name: str) -> None:
-        """Route every attention call through the function registered under `name` in transformers' registry."""
+        """Route every attention call through the function registered under `name` in transformers' registry
+        (parallel/hf_attention.py: one that takes packed rows' document ids and masks by them itself)."""
         self.hf.config._attn_implementation = name
+        self.attention_takes_documents = True
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +89,8 @@ class HFCausalLM(nn.Module):
             positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
         if doc_ids is None:
             return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        if getattr(self, "attention_takes_documents", False):  # context parallel: the whole row's document ids
+            return self.hf(input_ids=tokens, position_ids=positions, doc_ids=doc_ids, use_cache=False).logits
         from paratrain.models.llama import document_mask
 
         return self.hf(input_ids=tokens, position_ids=positions, attention_mask=document_mask(doc_ids),
@@ -105,6 +109,9 @@ def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:
     files = sorted(weights_dir.glob("*.safetensors")) if weights_dir else []
     if files:
         load_safetensors(model, files)
+    from paratrain.models.hf_moe import install_paratrain_experts
+
+    install_paratrain_experts(model)  # MoE layers: paratrain's experts forward (--ep, --tp, verify's routing)
     return HFCausalLM(model, spec)
 
 
@@ -134,7 +141,29 @@ def check_hf_run(layout, cfg, args) -> None:
         raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
                         "are loaded by --model hf:DIR")
     kind = read_hf_config(cfg.model)["model_type"]
+    if getattr(args, "moe", False):
+        check_hf_moe_run(layout, kind, args.n_experts)
     if layout.tp_enabled and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
                                          "base_model_tp_plan", None):
         raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
                         "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+
+
+# MoE families whose experts paratrain's forward (models/hf_moe.py) is verified on under --ep and --tp
+EXPERT_SPLIT_VERIFIED = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def check_hf_moe_run(layout, kind: str, n_experts: int) -> None:
+    """What a transformers MoE model cannot do with its experts split (--ep, --tp), in one line."""
+    ep = getattr(layout, "ep", 1)
+    if (ep > 1 or layout.tp_enabled) and kind not in EXPERT_SPLIT_VERIFIED:
+        raise UserError(f"--ep / --tp split the experts of {', '.join(EXPERT_SPLIT_VERIFIED)} hf: models; {kind} runs "
+                        "with a data-parallel strategy (ddp, zero1/2/3)")
+    if ep > 1 and (layout.tp_enabled or layout.pp_enabled or layout.cp_enabled):
+        raise UserError(f"--ep on an hf: model composes with FSDP only (dp_shard); {kind} with --ep and tp, pp or cp "
+                        "is not supported: use --ep with --strategy ep or zero3")
+    if layout.tp_enabled and n_experts % layout.tp:  # --tp splits the experts by expert (models/hf_moe.py)
+        raise UserError(f"--tp {layout.tp} does not divide the model's {n_experts} experts (tp splits them by expert)")
+    if layout.tp_enabled and layout.sp:
+        raise UserError(f"sequence parallelism is not supported for an hf: MoE model ({kind}): use --strategy tp "
+                        "(no SP)")

@@ -6,6 +6,11 @@ DTensor on the tp mesh (foreach optimizers, grad clipping and FSDP's 2-D shardin
 vocab-sharded, the head column-parallel (vocab-sharded logits under loss parallel), and norms whole
 (ReplicateParallel) or, with sequence parallel, sharded on the sequence. Sequence parallel also makes each
 row-parallel output a sequence-sharded DTensor and gathers the sequence back at each sub-layer's entry.
+
+MoE layers (transformers 5's fused experts): the plan's "moe_tp_experts" module, with its "packed_colwise"
+gate_up_proj and "rowwise" down_proj, becomes models/hf_moe.py's SplitExpertsOverTP (the experts split over the
+tp ranks by expert, each routed copy computed once) and the router is kept whole (ReplicateRouter). Entries for
+modules the model does not have (a Qwen3-MoE's dense MLPs when every layer is sparse) are left out.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, V
 
 # transformers' style names we translate; the first four split a linear (their parents gather the sequence under SP)
 KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
-                "sequence_parallel")
+                "sequence_parallel", "moe_tp_experts")
+# the experts module's own weights: SplitExpertsOverTP places them (translated with their module, not alone)
+EXPERT_WEIGHT_STYLES = ("packed_colwise", "rowwise")
 
 
 class GatherSequenceInput(ParallelStyle):
@@ -67,6 +74,9 @@ def model_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     if not plan:
         raise UserError(f"{type(hf_model).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
                         "run it with a data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+    experts = [path for path, style in plan.items() if style == "moe_tp_experts"]
+    plan = {path: style for path, style in plan.items()
+            if not any(path.startswith(e + ".") and style in EXPERT_WEIGHT_STYLES for e in experts)}
     odd = sorted({style for style in plan.values() if style not in KNOWN_STYLES})
     if odd:
         raise UserError(f"{type(hf_model).__name__}'s tensor-parallel plan uses {', '.join(odd)}, which paratrain does "
@@ -87,6 +97,10 @@ def translate(style: str, sp: bool) -> ParallelStyle:
         return RowwiseParallel(input_layouts=Replicate(), **rowwise_out)
     if style == "sequence_parallel":
         return SequenceParallel() if sp else ReplicateParallel()
+    if style == "moe_tp_experts":
+        from paratrain.models.hf_moe import SplitExpertsOverTP
+
+        return SplitExpertsOverTP()
     return HeadShardedNorm()  # replicated_with_grad_allreduce
 
 
@@ -94,7 +108,9 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
     """The whole plan for an HFCausalLM (keys relative to it: "hf.model.layers.*.self_attn.q_proj")."""
     hf = model.hf
     base = f"hf.{hf.base_model_prefix}." if getattr(hf, hf.base_model_prefix, None) is not None else "hf."
-    styles = model_tp_plan(hf)
+    named_paths = [name for name, _ in model.named_modules()]
+    # only entries naming modules this model has (an MoE model's plan also lists the dense MLPs of mixed models)
+    styles = {path: style for path, style in model_tp_plan(hf).items() if _covered_any(base + path, named_paths)}
     plan: dict = {}
     if sp:
         # the parents of the split linears ("layers.*.self_attn", "layers.*.mlp") gather the sequence on entry
@@ -113,6 +129,11 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
             continue
         if isinstance(module, nn.Embedding):  # e.g. learned positions: whole on every rank
             plan[_wildcard(name)] = ReplicateParallel()
+            continue
+        if _is_router(module, plan, name):  # an MoE layer's router, beside its split experts
+            from paratrain.models.hf_moe import ReplicateRouter
+
+            plan[_wildcard(name)] = ReplicateRouter()
             continue
         if not _is_norm(module):
             raise UserError(f"{type(hf).__name__}: module {name} ({type(module).__name__}) holds parameters its "
@@ -133,6 +154,16 @@ def _covered(name: str, plan: dict) -> bool:
     parts = name.split(".")
     return any(len(k.split(".")) == len(parts) and all(fnmatch(a, b) for a, b in zip(parts, k.split(".")))
                for k in plan)
+
+
+def _covered_any(path: str, names: list[str]) -> bool:
+    return any(_covered(name, {path: None}) for name in names)
+
+
+def _is_router(module: nn.Module, plan: dict, name: str) -> bool:
+    """A module with top_k beside an experts module the plan splits (the block's `gate` in transformers 5)."""
+    parent = name.rpartition(".")[0]
+    return hasattr(module, "top_k") and _covered(parent + ".experts", plan)
 
 
 def _wildcard(name: str) -> str:

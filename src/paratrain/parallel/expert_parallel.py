@@ -1,11 +1,13 @@
 """Expert parallelism (--ep): each MoE layer's experts split over ep of the data-parallel ranks, tokens sent to
 their experts and back with all_to_all_single (variable splits), expert weights FSDP-sharded over the rest.
 
-An MoE layer (models/moe.py) is found by its swap points, never by its class (parallel/ does not import
-models/): `dispatch`, `reduce_counts`, `aux_scale` and `experts`. `attach_moe` runs for every layout (the
-balancing loss counts tokens over all data ranks even without --ep); `apply_ep` when ep > 1. Every collective
-passes paratrain's door (collective_hooks.py), with purpose "moe_counts", "moe_splits", "moe_dispatch" and
-"moe_combine" (their backward halves "..._backward"), so hooks and the hang diagnosis see them.
+An MoE layer is found by its swap points, never by its class (parallel/ does not import models/): `dispatch`,
+`reduce_counts` and `aux_scale`. Its expert weights are its `experts` submodule (models/moe.py) or, where it has
+none, the layer itself (a transformers experts module, models/hf_moe.py: `reduce_counts` None, no balancing
+loss). `attach_moe` runs for every layout (the balancing loss counts tokens over all data ranks even without
+--ep); `apply_ep` when ep > 1. Every collective passes paratrain's door (collective_hooks.py), with purpose
+"moe_counts", "moe_splits", "moe_dispatch" and "moe_combine" (their backward halves "..._backward"), so hooks and
+the hang diagnosis see them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ log = logging.getLogger("paratrain")
 
 
 def moe_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if all(hasattr(m, a) for a in ("dispatch", "reduce_counts", "experts"))]
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("dispatch", "reduce_counts", "aux_scale"))]
+
+
+def expert_weights(moe: nn.Module) -> nn.Module:
+    """The module holding the layer's (E, ...) expert tensors: its `experts` submodule, or the layer itself."""
+    experts = getattr(moe, "experts", None)
+    return experts if isinstance(experts, nn.Module) else moe
 
 
 def check_ep(args, layout, seq_len: int | None = None) -> None:
@@ -31,9 +39,6 @@ def check_ep(args, layout, seq_len: int | None = None) -> None:
     if not getattr(args, "moe", False):
         raise UserError(f"--ep {layout.ep} needs a Mixture-of-Experts model (e.g. --model moe-tiny); "
                         f"{args.name} has no experts")
-    if str(args.name).startswith("hf:"):
-        raise UserError(f"--ep runs paratrain's own MoE models (moe-tiny, ...); {args.name} is a transformers "
-                        "model: use --strategy zero3 or ddp")
     if args.n_experts % layout.ep:
         raise UserError(f"--ep {layout.ep} does not divide the model's {args.n_experts} experts")
     if layout.dp_replicate > 1:
@@ -50,7 +55,7 @@ def attach_moe(model: nn.Module, layout) -> None:
         # a pipeline schedule scales every gradient by 1 / micro-batches itself (scale_grads); the plain step
         # divides each micro-batch's loss
         moe.aux_scale = 1.0 if layout.pp > 1 else 1.0 / layout.microbatches
-        if group_mesh is not None:
+        if group_mesh is not None and moe.reduce_counts is not None:
             moe.reduce_counts = CountReducer(group_mesh.get_group())
 
 
@@ -78,7 +83,7 @@ def apply_ep(model: nn.Module, ep_mesh, rest_mesh, grad_divide: int, reshard_aft
 
     layers = moe_modules(model)
     for moe in layers:
-        experts = moe.experts
+        experts = expert_weights(moe)
         for name, p in list(experts.named_parameters(recurse=False)):
             whole = p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # TP keeps experts whole
             split = distribute_tensor(whole, ep_mesh, [Shard(0)])

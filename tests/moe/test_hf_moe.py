@@ -1,0 +1,151 @@
+"""transformers' MoE models under --ep and --tp, and the export of MoE runs, against their references.
+
+References: `verify` (verify/parity.py, fp32 tolerances) against one device, router decisions included, for tiny
+Qwen3-MoE, Mixtral and OLMoE configs made with transformers' own config classes (nothing downloaded); for
+export, transformers itself: the key set its save_pretrained writes for the same config, from_pretrained loading
+with nothing missing or unexpected, and its logits against paratrain's with the checkpoint's weights (atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers  # the [hf] extra is part of [test]
+from safetensors import safe_open
+
+from helpers import cli_env
+from paratrain.convert.hf_export import export_checkpoint
+from paratrain.convert.moe_preset_export import check_mixtral_exportable
+from paratrain.errors import UserError
+from paratrain.models.hf_model import build_hf_model, check_hf_moe_run
+from paratrain.models.presets import PRESETS, build_model
+from paratrain.parallel.layout import Layout
+from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+              max_position_embeddings=256, attention_dropout=0.0, tie_word_embeddings=False)
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def write_configs(root: Path) -> None:
+    """4 experts, top-2, in each family's own config class (Mixtral's expert size is its intermediate_size)."""
+    configs = {
+        "qwen3_moe": transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=32,
+                                                 num_experts=4, num_experts_per_tok=2),
+        "mixtral": transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4,
+                                              num_experts_per_tok=2),
+        "olmoe": transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                          eos_token_id=0, pad_token_id=1),
+    }
+    for kind, config in configs.items():
+        config.save_pretrained(root / kind)
+
+
+def checkpoint_state(model: torch.nn.Module, step_dir: Path) -> torch.nn.Module:
+    """`model` with the checkpoint's weights (DCP reassembles what ep or tp sharded)."""
+    sd = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(sd, storage_reader=SafeFileSystemReader(step_dir), planner=SafeLoadPlanner(), no_dist=True)
+    model.load_state_dict(sd["model"])
+    return model.eval()
+
+
+def check_export(out: Path, paratrain_model: torch.nn.Module) -> str:
+    """The exported directory against transformers' own save_pretrained and from_pretrained; returns its class."""
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                                     dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    reference = out.parent / f"{out.name}-save_pretrained"
+    transformers.AutoModelForCausalLM.from_config(loaded.config).save_pretrained(reference)
+
+    def keys(folder: Path) -> set[str]:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return set(f.keys())
+
+    assert keys(out) == keys(reference)
+    assert any(".experts.0." in k for k in keys(out))  # one weight per expert, as transformers saves them
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(input_ids=TOKENS).logits, paratrain_model(TOKENS),
+                                   atol=1e-5, rtol=0)
+    return type(loaded).__name__
+
+
+@pytest.mark.timeout(300)
+def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
+    write_configs(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "hf_moe_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=cli_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["id"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["verify"]}
+    for kind in ("qwen3_moe", "mixtral", "olmoe"):
+        for layout, dims in (("ep2", {"ep": 2, "dp_shard": 2}), ("tp2", {"tp": 2}), ("zero3", {"dp_shard": 2})):
+            r = results[f"{kind}-{layout}"]
+            assert r["passed"] and r["expert_assignments_match"] is True, r
+            assert all(r["dims"][k] == v for k, v in dims.items()), r
+    pipelined, one_micro_batch = results["qwen3_moe-pp2"], results["qwen3_moe-pp2-gpipe1"]
+    assert pipelined["passed"] and pipelined["expert_assignments_match"] is None, pipelined
+    assert one_micro_batch["passed"] and one_micro_batch["expert_assignments_match"] is True, one_micro_batch
+    for fault in ("moe-wrong-splits", "moe-swapped-ids", "moe-dropped-expert-grad"):
+        r = results[f"qwen3_moe-{fault}"]
+        assert not r["passed"] and r["first_step"] == 1 and r["first_divergence"]["step"] == 1, r
+        # misrouted tokens are seen as such at step 1; a dropped gradient reroutes only after the update
+        routed_step = (r["first_assignment_mismatch"] or {}).get("step")
+        assert (routed_step == 1) is (fault != "moe-dropped-expert-grad"), r
+    # the swapped ids are the router's own decisions: the first layer differs at step 1
+    assert results["qwen3_moe-moe-swapped-ids"]["first_assignment_mismatch"]["layer"] == "hf.model.layers.0.mlp.experts"
+
+    # export: the hf: runs back in their own format (from an ep and a tp checkpoint), moe-tiny as Mixtral
+    for run, kind, architecture in (("qwen3_moe-ep2", "qwen3_moe", "Qwen3MoeForCausalLM"),
+                                    ("mixtral-tp2", "mixtral", "MixtralForCausalLM")):
+        step = tmp_path / f"ck-{run}" / "step-2"
+        doc = export_checkpoint(step, tmp_path / f"out-{run}")
+        assert doc["kind"] == "hf" and doc["architecture"] == architecture, doc
+        ours = checkpoint_state(build_hf_model(f"hf:{tmp_path / kind}", seed=None), step)
+        assert check_export(tmp_path / f"out-{run}", ours) == architecture
+    step = tmp_path / "ck-moe-tiny-ep2" / "step-2"
+    doc = export_checkpoint(step, tmp_path / "out-moe-tiny")
+    assert doc["kind"] == "preset" and doc["architecture"] == "MixtralForCausalLM", doc
+    ours = checkpoint_state(build_model(PRESETS["moe-tiny"], "cpu", seed=0), step)
+    assert check_export(tmp_path / "out-moe-tiny", ours) == "MixtralForCausalLM"
+
+
+def test_hf_experts_forward_is_transformers_own(tmp_path):
+    """paratrain's experts forward (experts_implementation="paratrain") gives transformers' eager logits."""
+    write_configs(tmp_path)
+    for kind in ("qwen3_moe", "mixtral", "olmoe"):
+        model = build_hf_model(f"hf:{tmp_path / kind}", seed=0)
+        for p in model.parameters():  # larger than the default init, so that routing and experts matter
+            torch.nn.init.normal_(p, std=0.2)
+        assert model.hf.get_experts_implementation()[""] == "paratrain"
+        with torch.no_grad():
+            ours = model(TOKENS)
+            model.hf.set_experts_implementation("eager")
+            torch.testing.assert_close(model(TOKENS), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_moe_layouts_are_refused_in_one_line():
+    with pytest.raises(UserError, match="composes with FSDP only"):
+        check_hf_moe_run(Layout(dp_shard=2, tp=2, ep=2), "mixtral", 4)
+    with pytest.raises(UserError, match="sequence parallelism"):
+        check_hf_moe_run(Layout(tp=2, sp=True), "qwen3_moe", 4)
+    with pytest.raises(UserError, match="does not divide the model's 6 experts"):
+        check_hf_moe_run(Layout(tp=4), "qwen3_moe", 6)
+    with pytest.raises(UserError, match="data-parallel strategy"):
+        check_hf_moe_run(Layout(dp_shard=2, ep=2), "deepseek_v3", 8)
+    check_hf_moe_run(Layout(dp_shard=2, ep=2), "olmoe", 4)  # allowed
+    for change, what in (({"router": "sigmoid"}, "a sigmoid router"), ({"n_shared_experts": 1}, "shared experts"),
+                         ({"capacity_factor": 1.0}, "a capacity factor")):
+        args = PRESETS["moe-tiny"].__class__(**{**PRESETS["moe-tiny"].to_dict(), **change})
+        with pytest.raises(UserError, match=what):
+            check_mixtral_exportable(args)
