@@ -2,10 +2,10 @@
 """Usage: torchrun --standalone --nproc-per-node 2 doc_worker.py SPEC.json -> rank 0 prints one JSON line.
 
 SPEC: {"base": {TrainConfig fields}, "masks": [{"id", "strategy", "fault": bool, ...}],
-       "fits": [{"id", "strategy", ...}], "vals": [{"id", "strategy", ...}]}
+       "fits": [{"id", "strategy", ...}], "vals": [{"id", "strategy", ...}], "verifies": [{"id", "strategy", ...}]}
 masks: the first step's loss of packed rows under each strategy (every document's loss alone is the reference,
 computed on rank 0 on one device). fits: per-step losses of an uninterrupted run (the SIGKILL tests' reference).
-vals: val_loss after 2 steps.
+vals: val_loss after 2 steps. verifies: `paratrain verify`'s report (passed, first divergence) on packed rows.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.config import TrainConfig
+from paratrain.models.hf_files import is_hf_model
+from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import build_model, model_args_for
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.data_loading import make_prefetcher, make_train_data
@@ -26,6 +28,7 @@ from paratrain.train.packing import IGNORE
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run
+from paratrain.verify.parity import verify_in_group
 
 
 def document_alone_loss(model, rows: dict) -> float:
@@ -41,6 +44,12 @@ def document_alone_loss(model, rows: dict) -> float:
                 total += F.cross_entropy(logits[0], targets, reduction="sum").item()
                 count += int((targets != IGNORE).sum())
     return total / count
+
+
+def reference_model(cfg: TrainConfig):
+    if is_hf_model(cfg.model):
+        return build_hf_model(cfg.model, cfg.seed).eval()
+    return build_model(model_args_for(cfg), "cpu", seed=cfg.seed).eval()
 
 
 def trainer_for(rt, cfg: TrainConfig, fault: bool = False) -> Trainer:
@@ -69,7 +78,7 @@ def main() -> None:
     rt = init_runtime("cpu", 120.0)
     base = {"nproc": rt.world_size, "device": "cpu", "metrics": False, "resume": "never", "timeout_s": 120.0,
             **spec["base"]}
-    out: dict = {"masks": {}, "fits": {}, "vals": {}}
+    out: dict = {"masks": {}, "fits": {}, "vals": {}, "verifies": {}}
     try:
         for case in spec["masks"]:
             fields = {k: v for k, v in case.items() if k not in ("id", "fault")}
@@ -78,8 +87,8 @@ def main() -> None:
                 continue
             loss = first_step_loss(rt, cfg, case.get("fault", False))
             if rt.is_main:
-                rows = make_train_data(cfg, cfg.vocab_size).open().next_global_batch(cfg.global_batch)
-                model = build_model(model_args_for(cfg), "cpu", seed=cfg.seed).eval()
+                rows = make_train_data(cfg, model_args_for(cfg).vocab_size).open().next_global_batch(cfg.global_batch)
+                model = reference_model(cfg)
                 _, cols = np.nonzero(np.diff(rows["doc_ids"], axis=1))
                 chunk = cfg.seq_len // 4  # cp=2: the ring's blocks are chunks of seq/4 (parallel/ring_attention.py)
                 out["masks"][case["id"]] = {"loss": loss, "reference": document_alone_loss(model, rows),
@@ -96,6 +105,13 @@ def main() -> None:
                 continue
             summary = trainer_for(rt, cfg).fit()
             out["vals"][case["id"]] = summary["val_loss"]
+        for case in spec.get("verifies", []):
+            cfg = TrainConfig(**{**base, **{k: v for k, v in case.items() if k != "id"}})
+            validate_run(cfg, rt.world_size)
+            report = verify_in_group(cfg, rt)
+            if rt.is_main:
+                out["verifies"][case["id"]] = {"passed": report["passed"], "steps": report["steps"],
+                                               "first_divergence": report["first_divergence"]}
     finally:
         shutdown()
     if rt.is_main:

@@ -2,9 +2,13 @@
 
 - Document masks are real: the first step's loss of packed rows (the mean over their real tokens) equals every
   document's loss run alone on one device (fp32, 1e-5 relative) under single, ddp (with accumulation), zero3, tp,
-  tp-sp, cp-ring and cp-ulysses, with document boundaries inside the ring's blocks (seq 64 = 4 chunks of 16);
-  the mask dropped (support/drop_doc_mask.py) fails it under one-device attention, TP and both CP kernels.
-- Validation on a JSON Lines file gives the same val_loss under single, ddp and zero3.
+  tp-sp, cp-ring, cp-ulysses and pp (every schedule, Llama and GPT-2, and naive model parallel), with document
+  boundaries inside the ring's blocks (seq 64 = 4 chunks of 16); the mask dropped (support/drop_doc_mask.py)
+  fails it under one-device attention, TP, both CP kernels and pp. The same for a transformers model
+  (`--model hf:`) under cp-ring, cp-ulysses and pp.
+- Validation on a JSON Lines file gives the same val_loss under single, ddp, zero3 and pp.
+- `paratrain verify` (verify_in_group) passes on a packed JSON Lines + Parquet mixture under zero3, tp-sp,
+  cp-ring and pp (one and two stages per rank).
 - Bit-identical resume: a run over a JSON Lines + Parquet mixture, SIGKILLed on one rank while its loader
   worker has prefetched past the step, restarted by torch elastic from its last checkpoint: the per-step
   losses after the kill equal the uninterrupted run's exactly (ddp and zero3; reference: doc_worker's fit).
@@ -12,6 +16,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +30,23 @@ from support.doc_corpus import make_corpus
 pytest.importorskip("datasets")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doc_worker.py")
 MASKED = ("single", "ddp", "zero3", "tp", "tp-sp", "cp-ring", "cp-ulysses")
-FAULTED = ("single", "tp", "cp-ring", "cp-ulysses")
+# pipeline parallel, every schedule: each stage gets its micro-batch's positions and document ids
+PIPELINED = {"pp-gpipe": {"strategy": "pp", "pp_schedule": "gpipe", "microbatches": 2},
+             "pp": {"strategy": "pp", "microbatches": 2},
+             "pp-interleaved": {"strategy": "pp", "pp_schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                "model": "tiny4", "microbatches": 2},
+             "pp-zero-bubble": {"strategy": "pp", "pp_schedule": "zero-bubble", "virtual_stages": 2,
+                                "model": "tiny4", "microbatches": 2},
+             "pp-gpt2": {"strategy": "pp", "model": "gpt2-tiny", "microbatches": 2},
+             "model": {"strategy": "model"}}
+FAULTED = ("single", "tp", "cp-ring", "cp-ulysses", "pp")
+# a transformers model (--model hf:..., a tiny Llama config): its attention function gets the document ids
+TRANSFORMERS = {"hf-cp-ring": {"strategy": "cp-ring"}, "hf-cp-ulysses": {"strategy": "cp-ulysses"},
+                "hf-pp": {"strategy": "pp", "microbatches": 2}}
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# `paratrain verify` on a packed mixture: one strategy of each family, pp with one and two stages per rank
+VERIFIED = {"zero3": {"strategy": "zero3"}, "tp-sp": {"strategy": "tp-sp"}, "cp-ring": {"strategy": "cp-ring"},
+            "pp": PIPELINED["pp"], "pp-zero-bubble": PIPELINED["pp-zero-bubble"]}
 STEPS, CKPT_EVERY, KILL = 6, 2, "1:3"
 
 
@@ -43,12 +64,22 @@ def group(corpus, tmp_path_factory):
     base = {"data": corpus["a"], "tokenizer": corpus["tok"], "vocab_size": 320, "seq_len": 64, "global_batch": 4}
     masks = [{"id": s, "strategy": s} for s in MASKED]
     masks += [{"id": "ddp-accumulate", "strategy": "ddp", "micro_batch": 1}]
-    masks += [{"id": f"{s}-fault", "strategy": s, "fault": True} for s in FAULTED]
+    masks += [{"id": case, **fields} for case, fields in PIPELINED.items()]
+    masks += [{"id": f"{s}-fault", "strategy": s, **PIPELINED.get(s, {}), "fault": True} for s in FAULTED]
     fits = [{"id": s, "strategy": s, "steps": STEPS, "data": mixture(corpus)} for s in ("ddp", "zero3")]
-    vals = [{"id": s, "strategy": s, "steps": 2, "val_data": corpus["val"], "eval_every": 2, "val_batches": 2}
-            for s in ("single", "ddp", "zero3")]
+    vals = [{"id": s, "strategy": s, "steps": 2, "val_data": corpus["val"], "eval_every": 2, "val_batches": 2,
+             **PIPELINED.get(s, {})} for s in ("single", "ddp", "zero3", "pp")]
+    if HAS_TRANSFORMERS:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(WORKER)), "models"))
+        from hf_configs import write_config
+
+        hf = {"model": f"hf:{write_config(tmp_path_factory.mktemp('hf'), 'llama', vocab_size=320)}",
+              "vocab_size": None}
+        masks += [{"id": case, **fields, **hf} for case, fields in TRANSFORMERS.items()]
+        masks += [{"id": f"{case}-fault", **fields, **hf, "fault": True} for case, fields in TRANSFORMERS.items()]
+    verifies = [{"id": case, **fields, "steps": 3, "data": mixture(corpus)} for case, fields in VERIFIED.items()]
     spec = tmp_path_factory.mktemp("docs") / "spec.json"
-    spec.write_text(json.dumps({"base": base, "masks": masks, "fits": fits, "vals": vals}))
+    spec.write_text(json.dumps({"base": base, "masks": masks, "fits": fits, "vals": vals, "verifies": verifies}))
     env = cli_env({"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(WORKER)),
                                                   os.environ.get("PYTHONPATH", "")])})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -58,7 +89,7 @@ def group(corpus, tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", [*MASKED, "ddp-accumulate"])
+@pytest.mark.parametrize("case", [*MASKED, "ddp-accumulate", *PIPELINED])
 def test_packed_loss_equals_each_document_alone(group, case):
     result = group["masks"][case]
     assert result["boundaries"] >= 4 and result["inside_ring_blocks"] >= 1  # a document ends inside a block
@@ -71,10 +102,24 @@ def test_dropped_mask_fails(group, case):
     assert abs(result["loss"] - result["reference"]) > 5e-5 * result["reference"], case
 
 
-def test_val_loss_is_the_same_under_single_ddp_and_zero3(group):
+@pytest.mark.parametrize("case", TRANSFORMERS)
+def test_transformers_model_packed_loss_equals_each_document_alone(group, case):
+    pytest.importorskip("transformers")
+    result, faulted = group["masks"][case], group["masks"][f"{case}-fault"]
+    assert result["loss"] == pytest.approx(result["reference"], rel=1e-5), case
+    assert abs(faulted["loss"] - faulted["reference"]) > 5e-5 * faulted["reference"], case
+
+
+def test_val_loss_is_the_same_under_single_ddp_zero3_and_pp(group):
     vals = group["vals"]
-    assert vals["ddp"] == pytest.approx(vals["single"], rel=1e-5)
-    assert vals["zero3"] == pytest.approx(vals["single"], rel=1e-5)
+    for strategy in ("ddp", "zero3", "pp"):
+        assert vals[strategy] == pytest.approx(vals["single"], rel=1e-5), strategy
+
+
+@pytest.mark.parametrize("case", VERIFIED)
+def test_verify_passes_on_packed_rows(group, case):
+    report = group["verifies"][case]
+    assert report["passed"] and report["steps"] == 3 and report["first_divergence"] is None, report
 
 
 def last_losses(metrics) -> dict[int, float]:

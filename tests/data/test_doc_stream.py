@@ -107,6 +107,23 @@ def test_resume_continues_the_same_global_batches_at_any_data_parallel_size(corp
     assert in_process == straight
 
 
+def test_worker_processes_tokenize_round_robin_into_the_same_stream(corpus, monkeypatch):
+    """--data-workers 2 and 3: worker processes tokenize the chunks of documents in turn (3 documents a chunk
+    here, so every worker has several), and the rows and the state are those of one worker, also across a
+    resume from the state after step 2 at another worker count."""
+    from paratrain.train import doc_stream
+
+    monkeypatch.setattr(doc_stream, "LOOKAHEAD", 3)  # read by the forked workers as well
+    cfg = cfg_for(corpus, data=f"{corpus['a']}:0.6,{corpus['b']}:0.4")
+    straight, end = global_batches(cfg, 1, 6)
+    assert end["stream"]["draws"] > 2 * 3 * 3  # the run spans several chunks of every worker
+    for workers in (2, 3):
+        assert global_batches(cfg, 2, 6, workers=workers) == (straight, end), workers
+    head, state = global_batches(cfg, 1, 2, workers=3)
+    tail, resumed_end = global_batches(cfg, 2, 4, state, workers=2)
+    assert head + tail == straight and resumed_end == end
+
+
 def test_no_pack_rows_hold_one_document_each(corpus):
     data = make_train_data(cfg_for(corpus, pack=False), 320)
     rows = data.open().next_global_batch(4)

@@ -138,7 +138,7 @@ def check_data_loading(ctx: Context) -> Finding | None:
         evidence += f"; the same step on pre-staged data is {_ms(ctx.cost_s('data_loading'))} shorter ({cost:.0%})"
     source = "synthetic data" if ctx.cfg.data == "synthetic" else f"--data {ctx.cfg.data}"
     if getattr(ctx.cfg, "tokenizer", None):  # documents tokenized on the fly in the loader's worker process
-        fix = (f"the loader tokenizes documents on the fly ({source}): give it more tokenizer threads with "
+        fix = (f"the loader tokenizes documents on the fly ({source}): give it more worker processes with "
                f"--data-workers N (now {getattr(ctx.cfg, 'data_workers', 1)}), or tokenize once ahead with "
                f"`paratrain data prepare --tokenizer DIR FILES -o tokens.bin` and train on --data tokens.bin "
                f"(memory-mapped, no tokenizing per step)")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models.llama import ModelArgs
+from paratrain.models.llama import ModelArgs, document_mask
 
 NEEDED = ("embed_tokens", "layers", "norm")
 
@@ -35,13 +35,18 @@ class HFStages(nn.Module):
         self.norm = None
         self.output = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed rows: per-document positions (batch, seq) and document ids, which become the block-diagonal
+        causal mask every layer of the stage gets (as HFCausalLM's forward gives the whole model)."""
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+        mask = None if doc_ids is None else document_mask(doc_ids)
         tables = type(self).rotary(x, positions)
         for layer in self.layers.values():
-            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=tables)
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=tables)
             x = out[0] if isinstance(out, tuple) else out
         if self.norm is not None:
             x = self.norm(x)

@@ -3,7 +3,9 @@
 A transformers attention module computes q, k, v (batch, heads, seq_local, head_dim) and hands them to the
 function its config names (`config._attn_implementation`). We register ring or Ulysses attention under a name
 of our own and point the config at it: no model code is forked. A name no mask function is registered under
-makes transformers pass no mask; our functions apply the causal mask over the global (zigzag) sequence.
+makes transformers pass no mask; our functions apply the causal mask over the global (zigzag) sequence, and for
+packed rows the document mask from the `doc_ids` keyword HFCausalLM hands the model (transformers passes a
+forward's extra keywords down to the attention function).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def register_attention(prefix: str, attn_fn) -> str:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
             query = query * (scaling * math.sqrt(query.shape[-1]))  # our kernels scale by 1/sqrt(head_dim)
-        out = attn_fn(query, key, value)
+        doc_ids = kwargs.get("doc_ids")  # packed rows: HFCausalLM passes the whole row's document ids through
+        out = attn_fn(query, key, value) if doc_ids is None else attn_fn(query, key, value, doc_ids=doc_ids)
         return out.transpose(1, 2).contiguous(), None
 
     name = f"{prefix}-{next(_names)}"

@@ -151,7 +151,7 @@ class DocumentSource:
             if offset:
                 stream = stream.skip(offset)
             kept_any, whole_epoch = False, offset == 0
-            for row in stream:
+            for row in _rows(stream):
                 index = offset
                 offset += 1
                 if self._keep(index):
@@ -168,3 +168,9 @@ class DocumentSource:
             return self._text(row)
         raise UserError(f"--data {self.spec.pattern}: holds no documents")
 
+
+def _rows(stream):
+    """A streaming dataset's records, one dict each. Through `iter()`: plain iteration inside a DataLoader worker
+    shards the files across the workers, and every loader worker here reads the whole stream in order."""
+    for batch in stream.iter(batch_size=1):
+        yield {key: values[0] for key, values in batch.items()}

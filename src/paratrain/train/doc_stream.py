@@ -91,22 +91,18 @@ def open_tokenizer(path: str):
     return tok, eot, tok.get_vocab_size(with_added_tokens=True)
 
 
-class DocumentStream:
-    """Iterates global batches of packed rows from a state. Not thread-safe; one per process."""
+class DocumentReader:
+    """The stream's documents in order from a state, read LOOKAHEAD (or LOOKAHEAD_CHARS) at a time and tokenized a
+    chunk at a time (one encode_batch call). Chunks depend only on the state and the files, never on who
+    tokenizes them: loader worker w of N tokenizes chunks w, w+N, ... and reads past the others."""
 
-    def __init__(self, cfg: StreamConfig, state: StreamState | None = None):
+    def __init__(self, cfg: StreamConfig, state: StreamState):
         self.cfg = cfg
-        n = len(cfg.sources)
-        self.state = state or StreamState(0, [[0, 0] for _ in range(n)], [], [0] * n)
         self.tok, self.eot, self.vocab_size = open_tokenizer(cfg.tokenizer)
         self.cdf = np.cumsum(cfg.weights)
         self.cdf[-1] = 1.0
-        self.docs = [open_source(s, cfg, cfg.part).documents(*pos)
-                     for s, pos in zip(cfg.sources, self.state.positions)]
-        self.ahead: collections.deque = collections.deque()  # (source, epoch, offset after, tokens)
-        self.read_draws = self.state.draws
-        self.packer = Packer(cfg.seq_len + 1, cfg.pack, self.eot)
-        self.packer.carry = list(self.state.carry)
+        self.docs = [open_source(s, cfg, cfg.part).documents(*pos) for s, pos in zip(cfg.sources, state.positions)]
+        self.draws = state.draws
 
     def source_of(self, draw: int) -> int:
         from paratrain.train.data import uniform_hash
@@ -116,22 +112,58 @@ class DocumentStream:
         u = uniform_hash(self.cfg.seed, np.array([draw]), MIX_STREAM)[0]
         return int(min(np.searchsorted(self.cdf, u, side="right"), len(self.cdf) - 1))
 
-    def _read_ahead(self) -> None:
+    def read(self) -> list[tuple]:
+        """The next chunk's documents: (source, epoch, offset after, text or a token file's tokens)."""
         picked, chars = [], 0
         while len(picked) < LOOKAHEAD and chars < LOOKAHEAD_CHARS:
-            src = self.source_of(self.read_draws)
-            self.read_draws += 1
+            src = self.source_of(self.draws)
+            self.draws += 1
             epoch, offset, text = next(self.docs[src])
             picked.append((src, epoch, offset, text))
             chars += len(text)
+        return picked
+
+    def tokenize(self, picked: list[tuple]) -> list[tuple]:
+        """(source, epoch, offset after, tokens + end-of-text) of each document of a chunk."""
         texts = [doc for *_, doc in picked if isinstance(doc, str)]
         encoded = iter(self.tok.encode_batch(texts, add_special_tokens=False) if texts else [])
-        for src, epoch, offset, doc in picked:  # a token file's documents come tokenized, end-of-text included
-            self.ahead.append((src, epoch, offset, next(encoded).ids + [self.eot] if isinstance(doc, str) else doc))
+        # a token file's documents come tokenized, end-of-text included
+        return [(src, epoch, offset, next(encoded).ids + [self.eot] if isinstance(doc, str) else doc)
+                for src, epoch, offset, doc in picked]
+
+    def chunks(self, worker: int = 0, workers: int = 1):
+        """Tokenized chunks worker, worker + workers, ... (all of them by default)."""
+        index = 0
+        while True:
+            picked = self.read()
+            if index % workers == worker:
+                yield self.tokenize(picked)
+            index += 1
+
+
+class DocumentStream:
+    """Iterates global batches of packed rows from a state. Not thread-safe; one per process.
+
+    `chunks`: the tokenized chunks of DocumentReader from this state, when other processes tokenize them (the
+    loader's worker processes, in order); by default this stream reads and tokenizes them itself."""
+
+    def __init__(self, cfg: StreamConfig, state: StreamState | None = None, chunks=None):
+        self.cfg = cfg
+        n = len(cfg.sources)
+        self.state = state or StreamState(0, [[0, 0] for _ in range(n)], [], [0] * n)
+        if chunks is None:
+            reader = DocumentReader(cfg, self.state)
+            self.eot, self.vocab_size, chunks = reader.eot, reader.vocab_size, reader.chunks()
+        else:
+            _, self.eot, self.vocab_size = open_tokenizer(cfg.tokenizer)
+        self.chunks = chunks
+        self.ahead: collections.deque = collections.deque()  # (source, epoch, offset after, tokens)
+        self.packer = Packer(cfg.seq_len + 1, cfg.pack, self.eot)
+        self.packer.carry = list(self.state.carry)
 
     def _next_document(self) -> list[int]:
         if not self.ahead:
-            self._read_ahead()
+            self.ahead.extend(next(self.chunks))
         src, epoch, offset, tokens = self.ahead.popleft()
         s = self.state
         s.draws += 1

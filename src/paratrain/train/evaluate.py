@@ -114,14 +114,7 @@ def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
 
 
 def _pipeline_loss(runner, micro: list[Batch]) -> torch.Tensor:
-    inputs = torch.cat([mb.inputs for mb in micro])
-    targets = torch.cat([mb.targets for mb in micro])
-    runner._losses = []
-    args = (inputs,) if runner.has_first else ()
-    runner.schedule.eval(*args, target=targets if runner.has_last else None)
-    if runner.has_last:
-        return torch.stack(runner._losses[-runner.microbatches:]).float().mean()
-    return torch.zeros((), device=runner.device)
+    return runner.evaluate_loss(micro)
 
 
 def evaluate(trainer) -> float:

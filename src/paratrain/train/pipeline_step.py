@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -110,25 +111,65 @@ class PipelineStep:
             self.clock.instrument(stage)
         self._losses: list[torch.Tensor] = []
         self.last_timing: dict | None = None
+        # document data: the global batch's count of real targets (set per step), and the ranks the loss and
+        # gradients are averaged over (train/step.py's real_token_loss)
+        self._global_tokens: int | None = None
+        self.loss_reducers = layout.dp * layout.cp
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per micro-batch mean loss. The schedule then divides the grads by the micro-batch count
-        (scale_grads=True), so grads equal those of the mean loss over the rank's whole batch."""
+        (scale_grads=True), so grads equal those of the mean loss over the rank's whole batch.
+
+        Document data: the micro-batch's summed loss over the global batch's real targets (times the reducers),
+        so the micro-batches' terms add up to the mean over the real targets however they are spread; times
+        the micro-batch count, which scale_grads divides back out."""
         t0 = time.perf_counter()
-        loss = lm_loss(logits, targets)
-        self._losses.append(loss.detach())
+        if self._global_tokens is None:
+            loss = lm_loss(logits, targets)
+            self._losses.append(loss.detach())
+        else:
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            share = summed * (self.loss_reducers / max(self._global_tokens, 1))
+            self._losses.append(share.detach())
+            loss = share * self.microbatches
         self.clock.busy_s += time.perf_counter() - t0
         return loss
 
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Mean loss over this rank's batch on a rank holding the last stage (zero elsewhere)."""
+    def _schedule_inputs(self, micro_batches: list[Batch]) -> tuple[tuple, torch.Tensor | None, dict]:
+        """(args, target, kwargs) of a schedule call on this rank: the tokens on the first stage, the targets on
+        the last, and for packed rows every stage's per-document positions and document ids (its layers'
+        attention masks need them; the schedule cuts them into micro-batches like the tokens and hands each
+        stage its micro-batch's, while only activations travel between stages)."""
         inputs = torch.cat([mb.inputs for mb in micro_batches])
         targets = torch.cat([mb.targets for mb in micro_batches])
+        self._global_tokens = micro_batches[0].global_tokens
+        kwargs = {}
+        if micro_batches[0].doc_ids is not None:
+            kwargs = {"positions": torch.cat([mb.positions for mb in micro_batches]),
+                      "doc_ids": torch.cat([mb.doc_ids for mb in micro_batches])}
+        return (inputs,) if self.has_first else (), targets if self.has_last else None, kwargs
+
+    def _local_loss(self) -> torch.Tensor:
+        # the first step also runs loss_fn once on dummy data to infer backward shapes: keep the last M
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        losses = torch.stack(self._losses[-self.microbatches:]).float()
+        return losses.mean() if self._global_tokens is None else losses.sum()
+
+    def evaluate_loss(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Forward only (validation): this rank's loss as forward_backward computes it."""
+        args, target, kwargs = self._schedule_inputs(micro_batches)
+        self._losses = []
+        self.schedule.eval(*args, target=target, **kwargs)
+        return self._local_loss()
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Mean loss over this rank's batch on a rank holding the last stage (zero elsewhere)."""
+        args, target, kwargs = self._schedule_inputs(micro_batches)
         self._losses = []
         self.clock.busy_s = 0.0
         t0 = time.perf_counter()
-        args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, return_outputs=False)
+        self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         total = time.perf_counter() - t0
         busy = min(self.clock.busy_s, total)
         self.last_timing = {"busy_s": busy, "total_s": total, "idle_s": total - busy,
@@ -136,10 +177,7 @@ class PipelineStep:
                             "microbatches": self.microbatches}
         if self.tied_grad_sum is not None:
             self.tied_grad_sum()
-        if self.has_last:
-            # the first step also runs loss_fn once on dummy data to infer backward shapes: keep the last M
-            return torch.stack(self._losses[-self.microbatches:]).mean()
-        return torch.zeros((), device=self.device)
+        return self._local_loss()
 
     def reduce_loss(self, local: torch.Tensor) -> float:
         """The global mean loss, identical on every rank: broadcast from the last stage, average over dp."""

@@ -1,14 +1,19 @@
-"""This rank's micro-batches from the global document stream (train/doc_stream.py), built in a worker process.
+"""This rank's micro-batches from the global document stream (train/doc_stream.py), built in worker processes.
 
-The worker reads, tokenizes and packs ahead of the step (a torch DataLoader with one worker process, so the
-tokenizer never holds the training process's GIL) and hands each step's rows with the stream state *after*
-that step. The trainer keeps the state of the last step it consumed, not of what the worker built ahead: that is
-what a checkpoint saves, so a resume replays exactly the steps that were not trained yet.
+--data-workers N, the loader's worker processes per rank (a torch DataLoader's, so the tokenizer never holds the
+training process's GIL):
+- 1 (the default): one worker reads, tokenizes and packs ahead of the step and hands each step's rows.
+- N > 1: N workers tokenize the stream's chunks of documents round-robin (worker w: chunks w, w+N, ...; each
+  reads past the others' chunks, since a source is read in order); the DataLoader hands the chunks back in
+  order, and a thread of the training process packs them into rows. The token stream is the same for every N.
+- 0: everything in the training process's loader thread (debugging).
+Each step's rows come with the stream state *after* that step. The trainer keeps the state of the last step it
+consumed, not of what the workers built ahead: that is what a checkpoint saves, so a resume replays exactly the
+steps that were not trained yet.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import queue
@@ -20,7 +25,7 @@ import torch
 
 from paratrain.errors import UserError
 from paratrain.train.data import Batch, SlicedSource
-from paratrain.train.doc_stream import DocumentStream, StreamConfig, StreamState, real_tokens
+from paratrain.train.doc_stream import DocumentReader, DocumentStream, StreamConfig, StreamState, real_tokens
 
 
 class DocumentData:
@@ -44,17 +49,48 @@ class DocumentData:
     def entropy_floor(self) -> None:
         return None
 
-    def open(self, state: StreamState | None = None) -> DocumentStream:
-        stream = DocumentStream(self.cfg, state)
+    def open(self, state: StreamState | None = None, chunks=None) -> DocumentStream:
+        stream = DocumentStream(self.cfg, state, chunks)
         stream.vocab_limit = self.vocab_size
         return stream
 
 
-def _tokenizer_threads(threads: int, worker_id: int) -> None:
-    """In the fresh worker process, before its tokenizer first runs: the size of its thread pool."""
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+def _one_thread(worker_id: int) -> None:
+    """In the fresh worker process, before its tokenizer first runs: the process is the unit of parallelism."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)
+
+
+def _as_is(chunk):
+    return chunk
+
+
+def _stream_state(data: DocumentData, state: dict | None) -> StreamState | None:
+    return StreamState.from_json(state, len(data.cfg.sources)) if state else None
+
+
+def rank_items(stream: DocumentStream, global_batch: int, offset: int, local: int):
+    """Each step's rows for one rank, with the global real-token count and the stream state after the step."""
+    while True:
+        rows = stream.next_global_batch(global_batch)
+        mine = {k: torch.from_numpy(np.ascontiguousarray(v[offset:offset + local])) for k, v in rows.items()}
+        yield {**mine, "global_tokens": real_tokens(rows["targets"]), "state": stream.state_json()}
+
+
+class _Chunks(torch.utils.data.IterableDataset):
+    """In worker w of N: the tokenized chunks w, w+N, ... of the stream from a state (DocumentReader)."""
+
+    def __init__(self, data: DocumentData, state: dict | None):
+        super().__init__()
+        self.data, self.state = data, state
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        n = len(self.data.cfg.sources)
+        state = _stream_state(self.data, self.state) or StreamState(0, [[0, 0] for _ in range(n)], [], [0] * n)
+        reader = DocumentReader(self.data.cfg, state)
+        yield from reader.chunks(info.id, info.num_workers)
 
 
 class _RankSlices(torch.utils.data.IterableDataset):
@@ -66,13 +102,8 @@ class _RankSlices(torch.utils.data.IterableDataset):
         self.global_batch, self.offset, self.local = global_batch, offset, local
 
     def __iter__(self):
-        state = StreamState.from_json(self.state, len(self.data.cfg.sources)) if self.state else None
-        stream = self.data.open(state)
-        while True:
-            rows = stream.next_global_batch(self.global_batch)
-            mine = {k: torch.from_numpy(np.ascontiguousarray(v[self.offset:self.offset + self.local]))
-                    for k, v in rows.items()}
-            yield {**mine, "global_tokens": real_tokens(rows["targets"]), "state": stream.state_json()}
+        stream = self.data.open(_stream_state(self.data, self.state))
+        yield from rank_items(stream, self.global_batch, self.offset, self.local)
 
 
 class StreamBatchSource(SlicedSource):
@@ -120,22 +151,33 @@ class StreamPrefetcher:
     def __init__(self, source: StreamBatchSource, depth: int = 2, pin: bool = False, timeout_s: float | None = None,
                  before_batch=None):
         self.source, self.before_batch, self.timeout_s = source, before_batch, timeout_s
-        self.position = source.step
-        rows = _RankSlices(source.dataset, source.stream_state, source.global_batch, source.offset, source.local)
-        # one worker process: the stream is sequential (packing carries over); its tokenizer runs `workers` threads
-        process = 1 if source.workers else 0
-        self.loader = torch.utils.data.DataLoader(
-            rows, batch_size=None, num_workers=process, pin_memory=pin,
-            prefetch_factor=depth if process else None, timeout=(timeout_s or 0) if process else 0,
-            multiprocessing_context="fork" if process else None,
-            worker_init_fn=functools.partial(_tokenizer_threads, source.workers) if process else None)
-        self.iterator = iter(self.loader)
+        self.position, self.pin = source.step, pin
+        self.iterator = self._chunked() if source.workers > 1 else self._packed_in_worker(depth)
         # A thread takes each step's rows from the worker ahead of the step: the hand-over (the tensors' shared
         # memory, the state string) cost the fast CPU step 2-3 ms of data wait per step when done on demand.
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._receive, daemon=True)
         self.thread.start()
+
+    def _loader(self, dataset, workers: int, prefetch: int, pin: bool):
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=workers, pin_memory=pin, collate_fn=_as_is,
+            prefetch_factor=prefetch if workers else None, timeout=(self.timeout_s or 0) if workers else 0,
+            multiprocessing_context="fork" if workers else None, worker_init_fn=_one_thread if workers else None)
+
+    def _packed_in_worker(self, depth: int):
+        """--data-workers 0 or 1: the rows, packed in one worker process (0: in this process)."""
+        source = self.source
+        rows = _RankSlices(source.dataset, source.stream_state, source.global_batch, source.offset, source.local)
+        return iter(self._loader(rows, min(source.workers, 1), depth, self.pin))
+
+    def _chunked(self):
+        """--data-workers N > 1: chunks tokenized by N worker processes, in order, packed here (on the thread)."""
+        source = self.source
+        chunks = iter(self._loader(_Chunks(source.dataset, source.stream_state), source.workers, 2, False))
+        stream = source.dataset.open(_stream_state(source.dataset, source.stream_state), chunks)
+        return rank_items(stream, source.global_batch, source.offset, source.local)
 
     def _receive(self) -> None:
         while not self.stop.is_set():
@@ -172,6 +214,8 @@ class StreamPrefetcher:
             raise exc
         waited = time.perf_counter() - t0
         batch = Batch(item["inputs"], item["targets"], item["positions"], item["doc_ids"], int(item["global_tokens"]))
+        if self.pin and self.source.workers > 1:  # packed on the thread: pinned here, as the DataLoader pins
+            batch = batch.pin_memory()
         self.position += 1
         self.source.step = self.position
         self.source.stream_state, self.source.reader = json.loads(item["state"]), None

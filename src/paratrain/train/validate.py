@@ -48,7 +48,6 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     dataset = make_train_data(cfg, args.vocab_size)
     if isinstance(dataset, DocumentData):
         dataset.check()
-        check_document_run(cfg, layout)
     from paratrain.train.evaluate import build_validator
 
     validator = build_validator(cfg, args.vocab_size)
@@ -61,16 +60,6 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.ckpt_every and cfg.ckpt_every > cfg.steps:
         raise UserError(f"--ckpt-every {cfg.ckpt_every} is larger than --steps {cfg.steps}: no checkpoint would be saved")
     return layout
-
-
-def check_document_run(cfg: TrainConfig, layout: Layout) -> None:
-    """What document data (packed rows, document masks) does not run with yet."""
-    if layout.pp_enabled:
-        raise UserError("document data (--data with --tokenizer) does not run under pipeline parallelism yet; "
-                        "use a token .bin file (paratrain data prepare) with pp")
-    if is_hf_model(cfg.model) and layout.cp_enabled:
-        raise UserError("document data with a transformers model (--model hf:...) does not run under context "
-                        "parallelism yet; use a preset model, or a token .bin file")
 
 
 def warn_past_trained_positions(cfg: TrainConfig) -> None:
