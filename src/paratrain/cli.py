@@ -89,8 +89,8 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("tokenizer", Optional[str], _opt(None, "--tokenizer", help="directory with a tokenizer.json: documents are "
                                       "tokenized on the fly")),
     ("text_field", Optional[str], _opt(None, "--text-field", help="the documents' text column (default text)")),
-    ("data_workers", Optional[int], _opt(None, "--data-workers", help="tokenizer threads of the document loader's "
-                                         "worker process (default 1; 0: load in the training process)")),
+    ("data_workers", Optional[int], _opt(None, "--data-workers", help="the data loader's worker processes per rank "
+                                         "(default 1; N > 1 tokenize documents in turn; 0: load in the training process)")),
     ("pack", Optional[bool], _opt(None, "--pack/--no-pack", help="pack documents into rows with document masks "
                                   "(default) or one document per row")),
     ("val_data", Optional[str], _opt(None, "--val-data", help="held-out file for validation (docs/data.md)")),
@@ -101,6 +101,9 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("init_from", Optional[str], _opt(None, "--init-from", help="start from a Hugging Face directory's weights")),
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),
+    ("heal_replicas", Optional[bool], _opt(None, "--heal-replicas/--no-heal-replicas",
+                                           help="ddp: the other replicas train on when one is lost; a restarted "
+                                                "one copies a live replica's state (docs/reliability.md)")),
     ("metrics", Optional[bool], _opt(None, "--metrics/--no-metrics", help="write RUNDIR/metrics.jsonl")),
     ("monitor", Optional[bool], _opt(None, "--monitor/--no-monitor",
                                      help="breakdown every N steps, alerts, Prometheus text (docs/monitoring.md)")),
@@ -186,6 +189,10 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
 
         cfg = resolve_auto_strategy(cfg)
     world = world_size_for(cfg)
+    if cfg.heal_replicas:
+        from paratrain.train.replica_launch import check_heal_run
+
+        check_heal_run(cfg, world, script)
     if script:
         from paratrain.train.custom import check_custom_run, load_script
 
@@ -208,9 +215,13 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     except OSError as exc:
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     try:
-        results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script, predicted_peak), world,
-                              cfg.max_restarts,
-                              cfg.timeout_s, hang_dir=str(run_dir / "hang"))
+        if cfg.heal_replicas:
+            from paratrain.train.replica_launch import run_replicas
+
+            results = {0: run_replicas(cfg, run_dir, world)}
+        else:
+            results = run_workers(train_worker, (cfg.model_dump(), str(run_dir), False, script, predicted_peak),
+                                  world, cfg.max_restarts, cfg.timeout_s, hang_dir=str(run_dir / "hang"))
     except UserError:
         if created and _holds_nothing_new(run_dir):  # never a run dir a step or a save already wrote to
             shutil.rmtree(run_dir, ignore_errors=True)

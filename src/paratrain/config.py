@@ -63,7 +63,7 @@ class _RunFields(BaseModel):
     tokenizer: str | None = None
     text_field: str = "text"
     pack: bool = True
-    data_workers: int = Field(1, ge=0, le=256)  # tokenizer threads in the loader's worker process (0: in-process)
+    data_workers: int = Field(1, ge=0, le=256)  # the loader's worker processes per rank (0: in-process)
     seq_len: int = Field(64, ge=2)
     global_batch: int = Field(16, ge=1)
     micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
@@ -94,6 +94,9 @@ class _RunFields(BaseModel):
     mem_budget_gib: float | None = Field(None, gt=0)
     memory_check: bool = True
     max_restarts: int = Field(0, ge=0)
+    # ddp replicas as separate processes: the others train on when one is lost, a restarted one copies a live
+    # peer's state (train/replica_heal.py, docs/reliability.md); needs torchft
+    heal_replicas: bool = False
 
 
 # the degrees, one field per parallel dimension (parallel/dims.py): None means "derived from the strategy"

@@ -46,13 +46,14 @@ log = logging.getLogger("paratrain")
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, run_dir: Path | None = None, quiet: bool = False,
                  layout: Layout | None = None, custom=None, hooks: Hooks | None = None,
-                 predicted_peak_gib: float | None = None):
+                 predicted_peak_gib: float | None = None, data_shard: tuple[int, int] | None = None):
         """`layout`: the run's Layout (default: resolved from cfg for this world), e.g. a single-device
         reference inside a multi-rank job (verify). `custom`: a user's own model (train/custom.py), not a preset.
         `hooks`: a registry of extension points (train/hooks.py, docs/hooks.md); default: this process's, with
         what PARATRAIN_PLUGINS loads. The trainer holds a child of it, `self.hooks`: attach to that to reach
         this trainer alone. `predicted_peak_gib`: the planner's peak per device (train's memory check), logged
-        against the measured one at step 2."""
+        against the measured one at step 2. `data_shard`: (index, count), read that slice of each global batch
+        instead of this layout's data-parallel rank's (a replica of --heal-replicas, train/replica_heal.py)."""
         from paratrain.parallel.checks import check_layout
 
         self.predicted_peak_gib = predicted_peak_gib
@@ -102,12 +103,14 @@ class Trainer:
         dataset = custom.dataset(cfg) if custom else make_train_data(cfg, self.args.vocab_size)
         self.floor = dataset.entropy_floor()
         self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
-        dp_rank = self.dp_rank
+        dp_rank, dp_size = data_shard or (self.dp_rank, self.layout.dp)
         micro, shares = self.layout.micro_batch_of(dp_rank), dp_shares(self.layout)  # shares: --dp-batch-split
-        self.source = make_batch_source(dataset, cfg.global_batch, dp_rank, self.layout.dp, micro, shares,
+        if data_shard:
+            micro = min(micro, cfg.global_batch // dp_size)
+        self.source = make_batch_source(dataset, cfg.global_batch, dp_rank, dp_size, micro, shares,
                                         workers=cfg.data_workers)
         self.validator = None if custom else \
-            build_validator(cfg, self.args.vocab_size, dp_rank, self.layout.dp, micro, shares)
+            build_validator(cfg, self.args.vocab_size, dp_rank, dp_size, micro, shares)
         self.last_val: dict = {}
         self.step = 0
         # a custom model's data function yields samples, not sequences: its "tokens" are samples
@@ -332,6 +335,10 @@ class Trainer:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
                 cpu0 = time.process_time()
+                if prefetch.position != self.source.step:  # moved by a hook: a healed replica's data position
+                    prefetch.close()
+                    prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda",
+                                               timeout_s=cfg.timeout_s, before_batch=self._before_batch())
                 micro, waited = prefetch.next_step()
                 out = self.train_step(micro)
                 if self.rt.device_type == "cuda":

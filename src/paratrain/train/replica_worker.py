@@ -1,0 +1,101 @@
+"""One replica of train --heal-replicas: a process of its own, forked by train/replica_launch.py (or
+python -m paratrain.train.replica_worker CONFIG RUNDIR SUMMARY). It trains a whole copy of the model on its
+slice of each global batch, with its gradients averaged over the replicas alive (train/replica_heal.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from paratrain.errors import UserError
+
+log = logging.getLogger("paratrain")
+EXIT_USER_ERROR = 2
+EXIT_NO_PEER = 3  # a replacement that found nobody to copy: not a failure of the run
+
+
+def wait_for_peers(barrier_dir: Path, index: int, count: int, timeout_s: float) -> None:
+    """The first replicas start their first step together, so none starts a quorum alone and is then healed.
+    A file per replica in the run directory: no socket beyond torchft's."""
+    barrier_dir.mkdir(parents=True, exist_ok=True)
+    (barrier_dir / f"up-{index}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(barrier_dir.glob("up-*"))) < count:
+        if time.monotonic() > deadline:
+            raise UserError(f"replica {index}: the other replicas did not start within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
+    from paratrain.config import TrainConfig
+    from paratrain.train.replica_heal import (
+        LIGHTHOUSE_ENV,
+        NoPeerToJoin,
+        ReplicaHealer,
+        make_manager,
+        replica_identity,
+    )
+    from paratrain.train.runtime import init_runtime
+    from paratrain.train.trainer import Trainer
+
+    index, count, attempt = replica_identity()
+    cfg = TrainConfig(**json.loads(Path(cfg_path).read_text()))
+    if attempt > 0:  # a replacement copies a live peer; an older checkpoint on disk would be the wrong state
+        cfg = cfg.model_copy(update={"resume": "never"})
+    if index != 0 and (cfg.ckpt_dir or cfg.ckpt_every):  # all resume from the run's checkpoints; replica 0 saves
+        run_checkpoints = cfg.ckpt_dir or str(Path(summary_path).parent.parent / "checkpoints")
+        cfg = cfg.model_copy(update={"ckpt_every": 0, "ckpt_dir": run_checkpoints})
+    rt = init_runtime(cfg.device, cfg.timeout_s)
+    out = Path(run_dir)
+    trainer = Trainer(cfg, rt, out, quiet=index != 0, data_shard=(index, count))
+    manager, store = make_manager(rt.device_type, index, os.environ[LIGHTHOUSE_ENV], cfg.timeout_s)
+    state_dir = Path(summary_path).parent
+    joined = state_dir / f"joined-r{index}-a{attempt}"  # the supervisor reads it (train/replica_launch.py)
+    together = None if attempt else (lambda: wait_for_peers(state_dir / "barrier", index, count, cfg.timeout_s))
+    healer = ReplicaHealer(trainer, manager, index, count, on_heal=joined.touch, replacement=attempt > 0,
+                           before_first_step=together)
+    try:
+        summary = trainer.fit()
+    except NoPeerToJoin as exc:
+        log.warning("%s; this replacement stops", exc)
+        return EXIT_NO_PEER
+    finally:
+        manager.shutdown(wait=False)
+    summary.update(healer.summary(), replica=index, attempt=attempt, pid=os.getpid())
+    tmp = Path(summary_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, default=str))
+    tmp.replace(summary_path)
+    del store
+    return 0
+
+
+def run_replica_process(env: dict[str, str], *argv: str) -> None:
+    """The forked process's entry: this replica's environment, then main(); its exit code is the process's."""
+    os.environ.update(env)
+    sys.exit(main(list(argv)))
+
+
+def main(argv: list[str]) -> int:
+    from paratrain.train.replica_heal import INDEX_ENV
+
+    index = int(os.environ.get(INDEX_ENV, "0"))
+    logging.basicConfig(level=logging.INFO if index == 0 else logging.WARNING, format="paratrain: %(message)s",
+                        stream=sys.stderr, force=True)
+    # a healing replica's copy arrives in a read-only buffer that torch wraps, warning once; it is copied in
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # their per-step lines
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # a failed step is reported by replica_heal.py
+    try:
+        return run_replica(*argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
