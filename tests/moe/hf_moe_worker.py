@@ -1,11 +1,12 @@
 # transformers' MoE models (--model hf:DIR) in ONE launch of 2 ranks (gloo, CPU): verify parity against one device
 # (fp32, verify/parity.py's tolerances and its router-decision check) of tiny Qwen3-MoE, Mixtral and OLMoE
 # configs under --ep 2, tp=2 and zero3; planted EP faults (tests/support/moe_faults.py) that must fail at step 1;
-# and three short runs that save a checkpoint for test_hf_moe.py's export checks.
+# three short runs that save a checkpoint for test_hf_moe.py's export checks; and one run with the first layer's
+# router biased to expert 0, whose metrics.jsonl (and the clean qwen3_moe-ep2 run's) the doctor's rule reads.
 """Usage: torchrun --standalone --nproc-per-node 2 hf_moe_worker.py WORKDIR -> rank 0 prints one JSON line.
 
 WORKDIR holds one folder per model type with its config.json (written by the test with transformers' own
-config classes); checkpoints go to WORKDIR/ck-<id>.
+config classes); checkpoints go to WORKDIR/ck-<id>, run directories (metrics.jsonl) to WORKDIR/run-<id>.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -41,7 +43,9 @@ CASES = [
 # checkpoints for the export checks: hf: runs under ep and tp, and paratrain's moe-tiny (exported as Mixtral)
 SAVES = [{"id": "qwen3_moe-ep2", "kind": "qwen3_moe", "strategy": "ep", "ep": 2},
          {"id": "mixtral-tp2", "kind": "mixtral", "strategy": "tp"},
-         {"id": "moe-tiny-ep2", "model": "moe-tiny", "strategy": "ep", "ep": 2}]
+         {"id": "moe-tiny-ep2", "model": "moe-tiny", "strategy": "ep", "ep": 2},
+         {"id": "qwen3_moe-ep2-biased", "kind": "qwen3_moe", "strategy": "ep", "ep": 2,
+          "fault": "moe-biased-first-router"}]
 KEYS = ("strategy", "dims", "passed", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_abs_diff",
         "expert_assignments_match", "first_assignment_mismatch", "first_divergence")
 
@@ -67,10 +71,13 @@ def main() -> None:
             steps = [s for s in (first and first["step"], (report["first_assignment_mismatch"] or {}).get("step")) if s]
             out.append({"id": case["id"], **{k: report[k] for k in KEYS}, "first_step": min(steps or [None])})
     for save in SAVES:
-        fields = {k: v for k, v in save.items() if k not in ("id", "kind", "model")}
+        fields = {k: v for k, v in save.items() if k not in ("id", "kind", "model", "fault")}
         cfg = config(rt, work, save.get("kind"), **fields, steps=2, ckpt_every=2,
-                     ckpt_dir=os.path.join(work, f"ck-{save['id']}"))
-        Trainer(cfg, rt, quiet=True).fit()
+                     ckpt_dir=os.path.join(work, f"ck-{save['id']}"), metrics=True)
+        run_dir = Path(work) / f"run-{save['id']}"
+        run_dir.mkdir(exist_ok=True)
+        with planted(save.get("fault")):
+            Trainer(cfg, rt, run_dir=run_dir, quiet=True).fit()
     dist.barrier()
     if rt.is_main:
         print(json.dumps({"verify": out}, default=str), flush=True)

@@ -26,11 +26,16 @@ from support.moe_faults import planted  # noqa: E402
 EP_FSDP = {"strategy": "ep", "ep": 2}  # dp_shard=4: experts split 2 ways, FSDP over the other 2
 CASES = [
     {"id": "ep2-dp_shard4", **EP_FSDP},
+    # selective AC replays each block with the experts' FSDP hooks inside it: the profiler ranges they mark differ
+    # between forward and replay when the experts have no FSDP peers (ep = dp_shard; activation_checkpoint.py)
+    {"id": "ep4-ac-selective", "strategy": "ep", "ep": 4, "ac": "selective"},
     # one micro-batch per pipeline: the balancing loss is counted per micro-batch (docs/moe.md)
     {"id": "ep2-pp2", "strategy": "pp", "pp": 2, "dp_shard": 2, "ep": 2, "pp_schedule": "gpipe", "microbatches": 1},
     *[{"id": fault, "fault": fault, **EP_FSDP, "steps": 2}
       for fault in ("moe-wrong-splits", "moe-swapped-ids", "moe-dropped-expert-grad", "moe-aux-per-rank")],
     {"id": "ep2-dp_shard2-tp2", "strategy": "tp", "dp_shard": 2, "tp": 2, "ep": 2},
+    # ep within dp_shard x cp (parallel/dims.py): each cp rank routes its own part of the sequence
+    {"id": "ep2-dp_shard2-cp2", "strategy": "ep", "dp_shard": 2, "cp": 2, "ep": 2},
 ]
 KEYS = ("strategy", "dims", "passed", "checks", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_abs_diff",
         "expert_assignments_match", "first_assignment_mismatch", "first_divergence")

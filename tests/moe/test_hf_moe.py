@@ -119,6 +119,24 @@ def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
     ours = checkpoint_state(build_model(PRESETS["moe-tiny"], "cpu", seed=0), step)
     assert check_export(tmp_path / "out-moe-tiny", ours) == "MixtralForCausalLM"
 
+    # per-layer expert load in metrics.jsonl, and the doctor's rule on it: the biased layer named, a clean run not
+    biased, clean = (expert_imbalance(tmp_path / f"run-{run}") for run in ("qwen3_moe-ep2-biased", "qwen3_moe-ep2"))
+    assert biased is not None and biased.severity == "high", biased
+    assert biased.evidence.startswith("hf.model.layers.0.mlp.experts: expert 0 takes 2.00x the mean"), biased
+    assert clean is None
+
+
+def expert_imbalance(run: Path):
+    """The doctor's expert_imbalance finding (doctor/rules.py) on a run's metrics.jsonl steps, or None."""
+    from types import SimpleNamespace
+
+    from paratrain.doctor.rules import check_expert_imbalance
+
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in steps if "step" in row]
+    assert steps and all(len(row.get("expert_load", [])) == 2 for row in steps), steps  # both MoE layers, each step
+    return check_expert_imbalance(SimpleNamespace(captures=[{"steps": steps}]))
+
 
 def test_hf_experts_forward_is_transformers_own(tmp_path):
     """paratrain's experts forward (experts_implementation="paratrain") gives transformers' eager logits."""

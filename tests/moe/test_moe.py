@@ -144,9 +144,10 @@ def test_ep_layouts_planted_faults_and_resume_at_another_ep_on_four_ranks():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     results = {r["id"]: r for r in report["verify"]}
-    for case in ("ep2-dp_shard4", "ep2-dp_shard2-tp2", "ep2-pp2"):
+    for case, ep in (("ep2-dp_shard4", 2), ("ep4-ac-selective", 4), ("ep2-dp_shard2-tp2", 2), ("ep2-pp2", 2),
+                     ("ep2-dp_shard2-cp2", 2)):
         r = results[case]
-        assert r["passed"] and r["expert_assignments_match"] is True and r["dims"]["ep"] == 2, r
+        assert r["passed"] and r["expert_assignments_match"] is True and r["dims"]["ep"] == ep, r
     for fault in ("moe-wrong-splits", "moe-swapped-ids", "moe-dropped-expert-grad", "moe-aux-per-rank"):
         r = results[fault]
         assert not r["passed"] and r["first_step"] == 1, r

@@ -22,6 +22,8 @@ FAULTS = {
     "moe-dropped-expert-grad": "rank 1 drops its gradient of the experts' w2 / down_proj (layer 0)",
     "moe-aux-per-rank": "the balancing loss counts this rank's tokens only (its all-reduce is dropped)",
     "moe-biased-router": "every router prefers expert 0 by a large margin (a collapsed router; for doctor)",
+    "moe-biased-first-router": "the first MoE layer's router (paratrain's or a transformers one) makes expert 0 "
+                               "every token's first choice; the other layers route as they do (for doctor)",
 }
 
 
@@ -110,9 +112,30 @@ def _biased_router(hooks: Hooks) -> list:
     return [hooks.after_parallelize(after_parallelize)]
 
 
+def _first_choice_expert_0(module, args, output):
+    """A transformers router's (logits, gates, ids) with expert 0 first in every token's ids, still distinct."""
+    logits, gates, ids = output
+    first = ids[..., :1].expand_as(ids)
+    ids = torch.where(ids == 0, first, ids)  # where 0 was chosen later, it trades places with the first choice
+    return logits, gates, torch.cat([torch.zeros_like(ids[..., :1]), ids[..., 1:]], dim=-1)
+
+
+def _biased_first_router(hooks: Hooks) -> list:
+    def after_parallelize(module, layout):
+        for m in module.modules():
+            if _is_router(m):
+                m.gate.register_forward_hook(_bias_to_expert_0)
+                return
+            if _is_hf_router(m):
+                m.register_forward_hook(_first_choice_expert_0)
+                return
+
+    return [hooks.after_parallelize(after_parallelize)]
+
+
 PLANTERS = {"moe-wrong-splits": _wrong_splits, "moe-swapped-ids": _swapped_ids,
             "moe-dropped-expert-grad": _dropped_expert_grad, "moe-aux-per-rank": _aux_per_rank,
-            "moe-biased-router": _biased_router}
+            "moe-biased-router": _biased_router, "moe-biased-first-router": _biased_first_router}
 
 
 _FAULTS = FaultSet(PLANTERS, FAULT_ENV, "MoE fault")

@@ -184,12 +184,21 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def load_carriers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every MoE layer that keeps its last forward's load: paratrain's MoE, and the experts
+    module of a transformers MoE under paratrain's forward (models/hf_moe.py), found by the fields both keep."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "last_load") and hasattr(m, "last_dropped") and hasattr(m, "dispatch")]
+
+
 def expert_load_record(model_parts) -> dict:
     """The metrics.jsonl fields of this rank's MoE layers, from their last forward: per layer the routed copies
-    per expert (over all data ranks), their max / mean, and the copies dropped over capacity (this rank)."""
+    per expert, their max / mean, and the copies dropped over capacity (this rank). paratrain's MoE counts over
+    all data ranks (its balancing loss sums them); a transformers MoE (no balancing loss, no count all-reduce)
+    counts this rank's own tokens."""
     layers = []
     for part in model_parts:
-        for name, moe in moe_layers(part):
+        for name, moe in load_carriers(part):
             if moe.last_load is None:
                 continue
             load = [int(v) for v in moe.last_load.tolist()]

@@ -2,17 +2,24 @@
 
 Modes: "none"; "full" recomputes the whole block; "selective" is op-level selective checkpointing (SAC):
 matmul, attention and reduce-scatter outputs are kept, everything cheap (norms, RoPE, SiLU/GELU, casts,
-elementwise) is recomputed, so the backward re-runs no matmul and no collective.
+elementwise) is recomputed, so the backward re-runs no matmul and no TP collective (an MoE block's expert
+exchange under --ep is replayed, as with full AC: its all-to-alls write into buffers, which SAC cannot cache).
+
+Selective AC replays a block's ops by count: the k-th call of each op in the recompute must match the k-th in
+the forward. Profiler ranges (`record_function`) are not computation and their number can differ between the
+two (under --ep with ep = dp_shard the experts' own FSDP2 state, nested in the block, marks one more range in
+the replay than in the forward), so they bypass the SAC modes altogether.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from paratrain.errors import UserError
 from paratrain.parallel.options import AC_MODES
@@ -42,9 +49,38 @@ def _save_matmuls_policy(saved: frozenset):
     return policy
 
 
+def _profiler_ops() -> frozenset:
+    profiler = torch.ops.profiler
+    packets = (getattr(profiler, n) for n in ("_record_function_enter", "_record_function_enter_new",
+                                               "_record_function_exit") if hasattr(profiler, n))
+    return frozenset(getattr(p, o) for p in packets for o in p.overloads())
+
+
+class _SaveMode(_CachingTorchDispatchMode):
+    """The forward's SAC mode, profiler ranges passed through uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ReplayMode(_CachedTorchDispatchMode):
+    """The recompute's SAC mode, profiler ranges passed through uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_PROFILER_OPS = _profiler_ops()
+
+
 def selective_context_fn():
     """A fresh (forward, recompute) pair of SAC dispatch modes for each checkpointed call."""
-    return create_selective_checkpoint_contexts(_save_matmuls_policy(ops_to_save()))
+    storage: dict = defaultdict(dict)
+    return _SaveMode(_save_matmuls_policy(ops_to_save()), storage), _ReplayMode(None, storage)
 
 
 def _has_dropout(block: nn.Module) -> bool:

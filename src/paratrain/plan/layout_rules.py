@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
+from paratrain.models.hf_files import is_hf_model
 from paratrain.parallel.layout import Layout
 from paratrain.plan.job import Job
 
@@ -45,21 +46,30 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
         check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
         if lay.tp > 1:
             _check_tp_plan(job.args, lay.tp, lay.sp)
+        _check_hf_moe(job, lay)
     except UserError as exc:
         return str(exc)
     if lay.tp > gpus_per_node:
         return f"tp={lay.tp} would span nodes ({gpus_per_node} GPUs per node)"
-    return ac_problem(lay)
-
-
-def ac_problem(lay: Layout) -> str | None:
-    """An activation-checkpointing mode the runtime fails with on this layout (found by running it), or None."""
-    if lay.ep > 1 and lay.ac == "selective":
-        # measured: moe-tiny, --strategy ep --ac selective on 2 gloo ranks stops in its first backward
-        # ("profiler._record_function_enter_new ... not found in storage"): the selective policy's replay does
-        # not meet the expert exchange's collectives again
-        return "--ac selective with --ep fails in the runtime's first backward: use --ac full or none"
     return None
+
+
+def _check_hf_moe(job: Job, lay: Layout) -> None:
+    """An `hf:` MoE model runs as transformers' own modules (models/hf_model.py), which split their experts in
+    fewer layouts than paratrain's MoE: the runtime's own refusal (ep with tp, pp or cp, SP, tp not dividing the
+    experts, a family not verified)."""
+    spec = job.hf_config or (job.model_name if is_hf_model(job.model_name) else None)
+    if spec and job.args.moe:
+        from paratrain.models.hf_model import check_hf_moe_run
+
+        check_hf_moe_run(lay, _hf_model_type(spec), job.args.n_experts)
+
+
+@functools.lru_cache(maxsize=16)
+def _hf_model_type(spec: str) -> str:
+    from paratrain.models.hf_files import read_hf_config
+
+    return read_hf_config(spec)["model_type"]
 
 
 def unpriceable(job: Job, lay: Layout, gpus_per_node: int) -> str | None:

@@ -30,7 +30,7 @@ from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, 
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
 from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
-from paratrain.plan.layout_rules import ac_problem, admitted, structural_problem, unpriceable
+from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 SUBDIVIDING_DIMS = tuple(d for d in DEGREE_DIMS if not d.world_factor)
@@ -259,8 +259,6 @@ def refine(job: Job, hw: HardwareProfile, screened: Candidate, fixed: dict) -> C
     if not fixed.get("ac"):
         for ac in AC_MODES[:AC_MODES.index(screened.layout.ac)]:
             lay = with_micro_batch(screened.layout, job, ac, screened.layout.micro_batch)
-            if ac_problem(lay):
-                continue
             trial = evaluate(job, hw, lay)
             trial.runtime_unsupported = screened.runtime_unsupported  # no runtime rule looks at the AC
             if trial.feasible:
