@@ -5,7 +5,8 @@
   tp-sp, cp-ring, cp-ulysses and pp (every schedule, Llama and GPT-2, and naive model parallel), with document
   boundaries inside the ring's blocks (seq 64 = 4 chunks of 16); the mask dropped (support/drop_doc_mask.py)
   fails it under one-device attention, TP, both CP kernels and pp. The same for a transformers model
-  (`--model hf:`) under cp-ring, cp-ulysses and pp.
+  (`--model hf:`) under cp-ring, cp-ulysses and pp. The composed mesh dp_shard 2 x cp-ring 2 in a 4-rank launch,
+  with its fault and a verify.
 - Validation on a JSON Lines file gives the same val_loss under single, ddp, zero3 and pp.
 - `paratrain verify` (verify_in_group) passes on a packed JSON Lines + Parquet mixture under zero3, tp-sp,
   cp-ring and pp (one and two stages per rank).
@@ -78,15 +79,41 @@ def group(corpus, tmp_path_factory):
         masks += [{"id": case, **fields, **hf} for case, fields in TRANSFORMERS.items()]
         masks += [{"id": f"{case}-fault", **fields, **hf, "fault": True} for case, fields in TRANSFORMERS.items()]
     verifies = [{"id": case, **fields, "steps": 3, "data": mixture(corpus)} for case, fields in VERIFIED.items()]
-    spec = tmp_path_factory.mktemp("docs") / "spec.json"
-    spec.write_text(json.dumps({"base": base, "masks": masks, "fits": fits, "vals": vals, "verifies": verifies}))
+    return launch(2, {"base": base, "masks": masks, "fits": fits, "vals": vals, "verifies": verifies},
+                  tmp_path_factory)
+
+
+def launch(nproc: int, spec: dict, tmp_path_factory) -> dict:
+    spec_file = tmp_path_factory.mktemp("docs") / "spec.json"
+    spec_file.write_text(json.dumps(spec))
     env = cli_env({"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(WORKER)),
                                                   os.environ.get("PYTHONPATH", "")])})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           WORKER, str(spec)], capture_output=True, text=True, timeout=400, env=env,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), WORKER, str(spec_file)], capture_output=True, text=True, timeout=400,
+                          env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# the composed mesh: FSDP over 2 ranks, each pair splitting the sequence with the ring (4 ranks)
+COMPOSED = {"strategy": "cp-ring", "dp_shard": 2, "cp": 2}
+
+
+@pytest.fixture(scope="module")
+def composed(corpus, tmp_path_factory):
+    base = {"data": corpus["a"], "tokenizer": corpus["tok"], "vocab_size": 320, "seq_len": 64, "global_batch": 4}
+    masks = [{"id": "dp_shard2xcp2", **COMPOSED}, {"id": "dp_shard2xcp2-fault", **COMPOSED, "fault": True}]
+    verifies = [{"id": "dp_shard2xcp2", **COMPOSED, "steps": 3, "data": mixture(corpus)}]
+    return launch(4, {"base": base, "masks": masks, "fits": [], "vals": [], "verifies": verifies}, tmp_path_factory)
+
+
+def test_composed_mesh_masks_documents_and_verifies(composed):
+    result, faulted = composed["masks"]["dp_shard2xcp2"], composed["masks"]["dp_shard2xcp2-fault"]
+    assert result["boundaries"] >= 4 and result["inside_ring_blocks"] >= 1
+    assert result["loss"] == pytest.approx(result["reference"], rel=1e-5)
+    assert abs(faulted["loss"] - faulted["reference"]) > 5e-5 * faulted["reference"]
+    report = composed["verifies"]["dp_shard2xcp2"]
+    assert report["passed"] and report["steps"] == 3 and report["first_divergence"] is None, report
 
 
 @pytest.mark.parametrize("case", [*MASKED, "ddp-accumulate", *PIPELINED])
