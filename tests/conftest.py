@@ -50,11 +50,16 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory, ckpt_dir):
     spec = {"verify": VERIFY[2], "comm": True, "ckpt_save": str(ckpt_dir),
-            "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS}}
+            "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS},
+            # the 2-rank checks of tests/parallel's pipeline_checks.py, uneven_worker.py, tp_parity_worker.py and
+            # tests/train's val_worker.py, reshard_worker.py
+            "pipeline": {"ckpt_dir": str(tmp_path_factory.mktemp("pp-ckpt"))}, "uneven": True, "tp_parity": True,
+            "validation": True, "reshard": str(tmp_path_factory.mktemp("reshard"))}
     return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=500)
 
 
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
-    return launch(4, {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir)}, tmp_path_factory.mktemp("dp4"), timeout=500)
+    spec = {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir), "pipeline": {"ckpt_dir": None}, "cp_parity": True}
+    return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=500)
 

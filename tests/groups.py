@@ -1,11 +1,12 @@
 """One process group per world size for the suite's verify-style checks (tests/parallel/dp_worker.py), shared
-by the data-, tensor- and context-parallel tests and the tied GPT-2 ones: a launch costs seconds of interpreter
-and torch start-up per rank, the checks inside it far less. The fixtures are in tests/conftest.py.
+by the data-, tensor-, context- and pipeline-parallel tests, the uneven-split, validation and resharding ones
+and the tied GPT-2 ones: a launch costs seconds of interpreter and torch start-up per rank, the checks inside it
+far less. The fixtures are in tests/conftest.py.
 
 Parity reference: verify/parity.py's single-device run of the same seed and batches at fp32 tolerances (loss
 1e-5 relative, params 1e-5 + 1e-4 relative, grads 1e-4 relative). The `paratrain verify` command itself (its
-launcher and JSON) is covered by the CLI tests that still start it: test_data_parallel's model-state bytes,
-test_pipeline's bubble, test_context_parallel's 8-rank mesh and tests/bench/test_verify.py.
+launcher and JSON) is covered by the CLI tests that still start it: tests/bench/test_verify.py (the contract, the
+model-state bytes and --ac full on DDP), test_pipeline's bubble and test_context_parallel's 8-rank mesh.
 """
 
 from __future__ import annotations

@@ -24,10 +24,15 @@ CONTRACT = {"strategy", "dims", "world_size", "steps", "dtype", "tolerance", "ma
 
 @pytest.mark.timeout(240)
 def test_verify_ddp_two_ranks_passes(cli):
-    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--steps", "5", "--json")
+    """The CLI's contract, on DDP with full activation checkpointing (reference: one process, ac none): one launch
+    for what were three (the contract, AC under DDP, the model-state bytes in the JSON)."""
+    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--ac", "full", "--steps", "5", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     report = res.json()
     assert CONTRACT <= set(report)
+    assert report["dtype"] == "fp32" and "applied full activation checkpointing to 2 blocks" in res.stderr
+    assert set(report["model_state_bytes"]["mean"]) >= {"params", "grads", "optimizer", "total"}
+    assert len(report["model_state_bytes"]["per_rank"]) == 2
     assert set(report["tolerance"]) >= {"loss_atol", "loss_rtol", "param_atol", "param_rtol"}
     assert report["passed"] is True and report["world_size"] == 2 and report["dims"]["dp_replicate"] == 2
     assert report["first_divergence"] is None and report["compared"]["ranks"] == 2

@@ -35,6 +35,7 @@ from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_shape import args_from_hf_config
 from paratrain.train.data import BatchSource, make_dataset
 from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from reliability.inproc import run_cli_inproc
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from hf_configs import write_config  # noqa: E402
@@ -71,10 +72,10 @@ def chain(root: Path, source: Path, strategies: tuple[str, ...]) -> list[dict]:
     for i, strategy in enumerate(strategies):
         step_dir, metrics = train(root, spec, strategy, f"{i}-{strategy}")
         out = root / f"out-{i}-{strategy}"
-        if i == 0:  # the CLI, as a user runs it, once; in-process after that
-            exp = run_cli("export", step_dir.parent.name, "-o", out.name, "--json", cwd=str(root))
-            assert exp.returncode == 0, exp.stderr[-2000:]
-            doc = json.loads(exp.stdout)
+        if i == 0:  # the CLI's arguments, as a user writes them, once (in this process: export starts no worker)
+            code, stdout, stderr = run_cli_inproc(["export", step_dir.parent.name, "-o", out.name, "--json"], cwd=root)
+            assert code == 0, stderr[-2000:]
+            doc = json.loads(stdout)
         else:
             doc = export_checkpoint(step_dir, out)
         legs.append({"strategy": strategy, "trained_from": root / spec[3:], "ckpt": step_dir, "metrics": metrics,

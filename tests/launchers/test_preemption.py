@@ -45,6 +45,6 @@ def test_a_signal_while_the_trainer_is_built_stops_at_the_first_step(tmp_path):
     assert json.loads((run_dir / "preempted.json").read_text())["step"] == 1
 
 
-def test_bad_preempt_signal_is_one_line():
-    result = run_cli("train", "--model", "tiny", "--steps", "1", "--preempt-signal", "KILL")
+def test_bad_preempt_signal_is_one_line(cli_inproc):  # refused before any worker starts: in this process
+    result = cli_inproc("train", "--model", "tiny", "--steps", "1", "--preempt-signal", "KILL")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "preempt_signal" in result.stderr, result

@@ -2,7 +2,7 @@
 
 A one-node cluster on this machine, started as root by a module fixture shared by two tests: munged (its own
 key and socket), slurmctld and slurmd with a minimal slurm.conf, every state file in tmp. One test submits the
-generated job with `sbatch --wait` and checks that training finished; another signals a job mid-run
+generated job with `sbatch`, waits for its end (polling its state) and checks that training finished; another signals a job mid-run
 (`scancel --signal=USR1 --batch`, what --signal=B:USR1@120 sends before the time limit) and checks that it
 checkpoints, requeues itself and resumes to the uninterrupted run's losses. A two-node cluster (one slurmd in
 each of two network namespaces) runs a `--nodes 2` job, one rank per node, to the one-node job's losses. Every process of a cluster (the
@@ -219,15 +219,31 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _submit(cluster, where: Path, env: dict) -> str:
+    submitted = subprocess.run(cluster.cmd("sbatch", "--parsable", "job.sh"), cwd=where, env=env, capture_output=True,
+                               text=True, timeout=30)
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _run_to_end(cluster, where: Path, env: dict, timeout: float) -> None:
+    """sbatch job.sh and wait for it to end, which must be with exit 0. Not `sbatch --wait`: it polls after 2, 10
+    and 42 s, so a job that takes 11 s on a loaded machine held the test for 42."""
+    job_id = _submit(cluster, where, env)
+    _wait_for(lambda: _finished(cluster, job_id), timeout, "the job did not end",
+              lambda: _outputs(where) + cluster.logs())
+    state = _job_state(cluster, job_id)
+    assert (state["JobState"], state.get("ExitCode")) == ("COMPLETED", "0:0"), \
+        f"{state}\n{_outputs(where)}\n{cluster.logs()}"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(slurm_cluster, tmp_path_factory):
     """The generated job, run to its end under Slurm: (its directory, the per-step losses)."""
     where = tmp_path_factory.mktemp("uninterrupted")
     run_dir = where / "run"
     _write_job(where, run_dir)
-    done = subprocess.run(slurm_cluster.cmd("sbatch", "--wait", "job.sh"), cwd=where, env=_job_env(slurm_cluster),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{_outputs(where)}\n{slurm_cluster.logs()}"
+    _run_to_end(slurm_cluster, where, _job_env(slurm_cluster), timeout=120)
     return where, [s["loss"] for s in _metrics(run_dir)]
 
 
@@ -245,6 +261,10 @@ def _job_state(cluster, job_id: str) -> dict:
     return dict(field.split("=", 1) for field in done.stdout.split() if "=" in field)
 
 
+def _finished(cluster, job_id: str) -> bool:
+    return _job_state(cluster, job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+
 @pytest.mark.timeout(200)
 def test_signal_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluster, uninterrupted, tmp_path):
     """USR1 to the batch shell mid-run (what Slurm's --signal=B:USR1@120 sends before the time limit): the ranks
@@ -253,10 +273,7 @@ def test_signal_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluste
     run_dir = tmp_path / "run"
     _write_job(tmp_path, run_dir)
     slow = {**plugin_env("support.loader_delay:plugin"), "PARATRAIN_TEST_LOADER_DELAY_S": "0.3"}  # ~0.3 s a step
-    submitted = subprocess.run(slurm_cluster.cmd("sbatch", "--parsable", "job.sh"), cwd=tmp_path, env=_job_env(slurm_cluster, **slow),
-                               capture_output=True, text=True, timeout=30)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = _submit(slurm_cluster, tmp_path, _job_env(slurm_cluster, **slow))
 
     def trained(steps: int):
         return lambda: (run_dir / "metrics.jsonl").is_file() and len(_metrics(run_dir)) >= steps
@@ -266,10 +283,7 @@ def test_signal_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluste
                                capture_output=True, text=True, timeout=10)
     assert signalled.returncode == 0, signalled.stderr
 
-    def finished() -> bool:
-        return _job_state(slurm_cluster, job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-
-    _wait_for(finished, 150, "the requeued job did not finish", lambda: _outputs(tmp_path) + slurm_cluster.logs())
+    _wait_for(lambda: _finished(slurm_cluster, job_id), 150, "the requeued job did not finish", lambda: _outputs(tmp_path) + slurm_cluster.logs())
     state, out = _job_state(slurm_cluster, job_id), _outputs(tmp_path)
     assert state["JobState"] == "COMPLETED" and state.get("Restarts") == "1", f"{state}\n{out}"
     stopped = [int(s) for s in re.findall(r"checkpoint \S+ at step (\d+)", out)]
@@ -346,9 +360,6 @@ def test_two_node_job_matches_one_node(two_node_cluster, uninterrupted, tmp_path
          "--steps", str(STEPS), "-o", str(tmp_path / "job.sh"), "--timeout-s", "60", "--port", str(_free_port()),
          "--out", str(run_dir)], cwd=tmp_path)
     assert code == 0, err
-    done = subprocess.run(two_node_cluster.cmd("sbatch", "--wait", "job.sh"), cwd=tmp_path,
-                          env=_job_env(two_node_cluster, GLOO_SOCKET_IFNAME=IFNAME), capture_output=True, text=True,
-                          timeout=150)
-    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{_outputs(tmp_path)}\n{two_node_cluster.logs()}"
+    _run_to_end(two_node_cluster, tmp_path, _job_env(two_node_cluster, GLOO_SOCKET_IFNAME=IFNAME), timeout=150)
     assert "on 2 x cpu" in _outputs(tmp_path) and f"done: {STEPS} steps" in _outputs(tmp_path), _outputs(tmp_path)
     assert [s["loss"] for s in _metrics(run_dir)] == uninterrupted[1]

@@ -1,6 +1,7 @@
 # Multi-rank checks for context parallel attention, run in ONE process group of 4 ranks (gloo, CPU):
 # ring and Ulysses vs full-sequence causal SDPA (the reference), outputs and input gradients, cp = 2 and 4.
-"""Usage: python cp_parity_worker.py -> one JSON line of results (from rank 0); non-zero exit on failure."""
+"""Usage: python cp_parity_worker.py -> one JSON line of results (from rank 0); non-zero exit on failure.
+The suite runs run_checks inside its shared 4-rank group instead (tests/groups.py, dp_worker.py's "cp_parity")."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def expect_user_error(fn) -> str:
 
 def main() -> dict:
     dist.init_process_group("gloo")
+    merged = run_checks()
+    dist.destroy_process_group()
+    return merged
+
+
+def run_checks() -> dict:
+    """Every check, in the current 4-rank default group; the same result on every rank."""
     rank = dist.get_rank()
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]  # every rank creates every group
     world = dist.group.WORLD
@@ -77,7 +85,6 @@ def main() -> dict:
     results["err_heads"] = expect_user_error(lambda: ulysses_attention(odd, odd, odd, group=world))
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, results)
-    dist.destroy_process_group()
     merged = {k: (max(g[k] for g in gathered) if isinstance(v, float) else v) for k, v in gathered[0].items()}
     errors_ok = all(v <= ATOL for v in merged.values() if isinstance(v, float))
     merged["ok"] = errors_ok and merged["ring_bf16_dtype_ok"]

@@ -1,10 +1,14 @@
 # The checks of tests/parallel that need a process group, all in ONE launch per world size (gloo, CPU): verify
-# parity of several strategies against the single-device reference, collective accounting, and ZeRO-1
-# checkpoints across sizes. conftest.py says which.
+# parity of several strategies against the single-device reference, collective accounting, ZeRO-1
+# checkpoints across sizes, pipeline_checks.py's schedules and layouts, uneven_worker.py's splits, and the
+# tensor- and context-parallel parity workers' checks, and tests/train's validation and resharding workers.
+# conftest.py says which.
 """Usage: torchrun --standalone --nproc-per-node N dp_worker.py SPEC.json -> rank 0 prints one JSON line.
 
 SPEC: {"verify": [{"id": NAME, "strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null,
-       "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null}
+       "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null,
+       "pipeline": {"ckpt_dir": DIR|null} | null, "uneven": bool, "tp_parity": bool, "cp_parity": bool,
+       "validation": bool, "reshard": DIR|null}
 """
 
 from __future__ import annotations
@@ -87,6 +91,16 @@ def run_checkpoint(rt, save_dir: str | None, load_dir: str | None) -> dict:
     return out
 
 
+def run_pipeline(rt, ckpt_dir: str | None) -> dict | None:
+    """pipeline_checks.py's layouts for this world size, and (given a folder) its checkpoint across layouts."""
+    from pipeline_checks import LAYOUTS, check_checkpoint_across_layouts, check_layout
+
+    results = {name: check_layout(rt, overrides) for name, overrides in LAYOUTS[rt.world_size].items()}
+    if ckpt_dir:
+        results["checkpoint"] = check_checkpoint_across_layouts(rt, ckpt_dir)
+    return results
+
+
 def run_approx(rt, steps: int, runs: dict) -> dict:
     losses = {}
     for name, overrides in runs.items():
@@ -103,6 +117,32 @@ def main() -> None:
         report["comm"] = run_comm(rt)
     if spec.get("ckpt_save") or spec.get("ckpt_load"):
         report["checkpoint"] = run_checkpoint(rt, spec.get("ckpt_save"), spec.get("ckpt_load"))
+    if spec.get("pipeline"):
+        report["pipeline"] = run_pipeline(rt, spec["pipeline"]["ckpt_dir"])
+    if spec.get("uneven"):
+        from uneven_worker import run_checks
+
+        report["uneven"] = run_checks(rt)
+    if spec.get("tp_parity"):
+        from tp_parity_worker import run_checks as tp_checks
+
+        report["tp_parity"] = tp_checks()
+    if spec.get("cp_parity"):
+        from cp_parity_worker import run_checks as cp_checks
+
+        report["cp_parity"] = cp_checks()
+    if spec.get("validation") or spec.get("reshard"):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train"))
+    if spec.get("validation"):
+        from val_worker import run_checks as validation_checks
+
+        report["validation"] = validation_checks(rt)
+    if spec.get("reshard"):
+        from pathlib import Path
+
+        from reshard_worker import run_checks as reshard_checks
+
+        report["reshard"] = reshard_checks(rt, Path(spec["reshard"]))
     if spec.get("approx"):
         report["approx"] = run_approx(rt, spec["approx"]["steps"], spec["approx"]["runs"])
     dist.barrier()

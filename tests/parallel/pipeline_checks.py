@@ -1,4 +1,5 @@
-"""Multi-rank pipeline checks in ONE process group per world size (run by test_pipeline.py).
+"""Multi-rank pipeline checks in ONE process group per world size (for test_pipeline.py; the suite runs them
+inside the shared groups of tests/groups.py, dp_worker.py's "pipeline"; on their own:)
 
     python tests/parallel/pipeline_checks.py 2|4 CKPT_DIR   -> one JSON document on stdout
 

@@ -42,15 +42,8 @@ def test_zero_stages_and_hsdp_match_single_device_at_four_ranks(four_ranks):
                                         "tp": 1}
 
 
-@pytest.mark.timeout(200)
-def test_verify_cli_reports_model_state_bytes(cli):
-    res = cli("verify", "--strategy", "zero2", "--nproc", "2", "--steps", "3", "--timeout-s", "150", "--json",
-              timeout=190)
-    assert res.returncode == 0, res.stderr[-3000:]
-    doc = res.json()
-    assert doc["passed"] and doc["dims"]["dp_shard"] == 2
-    assert set(doc["model_state_bytes"]["mean"]) >= {"params", "grads", "optimizer", "total"}
-    assert len(doc["model_state_bytes"]["per_rank"]) == 2
+# `verify --json` carries the model-state bytes: checked on tests/bench/test_verify.py's CLI launch; the ZeRO
+# stages' figures below come from the shared groups (the same verify_in_group the CLI runs)
 
 
 # -- model-state bytes: exact for fp32 AdamW (step counters are the only extra) ----------------------------------

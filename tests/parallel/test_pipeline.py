@@ -6,11 +6,6 @@ fp32 tolerances (loss 1e-6 abs + 1e-5 rel, grads 1e-4 rel, params 1e-5 abs + 1e-
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,8 +16,6 @@ from paratrain.parallel.checks import check_layout
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.pipeline_split import carve_stage, layer_costs, split_into_stages, stage_ranks
 from paratrain.parallel.strategies import resolve_layout, resolve_microbatches
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _meta_model(**kw):
@@ -159,14 +152,7 @@ def test_cli_bad_layout_exits_2_with_one_line(cli_inproc, args, message):
 
 
 # -- parity: every schedule and 3-D layouts against one device ----------------------------------------------
-def _run_checks(world: int, tmp_path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "pipeline_checks.py"), str(world), str(tmp_path)],
-                          capture_output=True, text=True, timeout=400, env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+# pipeline_checks.py's layouts run inside the shared groups (tests/groups.py, conftest.py): no launch of their own
 
 
 def _assert_parity(name: str, r: dict) -> None:
@@ -178,8 +164,8 @@ def _assert_parity(name: str, r: dict) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_schedules_match_single_device_at_pp2(tmp_path):
-    results = _run_checks(2, tmp_path)
+def test_schedules_match_single_device_at_pp2(two_ranks):
+    results = two_ranks["pipeline"]
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "model", "micro-batch"):
         _assert_parity(name, results[name])
     assert results["interleaved-1f1b"]["n_parts_rank0"] == 2  # 2 virtual stages per rank
@@ -193,8 +179,8 @@ def test_schedules_match_single_device_at_pp2(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_pp4_and_3d_layouts_match_single_device(tmp_path):
-    results = _run_checks(4, tmp_path)
+def test_pp4_and_3d_layouts_match_single_device(four_ranks):
+    results = four_ranks["pipeline"]
     for name in ("1f1b-pp4", "pp2-dp_shard2", "pp2-ddp2", "pp2-tp2"):
         _assert_parity(name, results[name])
 

@@ -6,17 +6,11 @@ tolerances of verify/parity.py); tp_parity_worker.py compares against the unshar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from groups import verified
-from helpers import cli_env
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.plans import llama_tp_plan, tp_plan_for
@@ -25,8 +19,6 @@ from paratrain.parallel.checks import check_tp_divides, check_tp_with_dp
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.tensor_parallel import check_plan, match_modules
 from paratrain.train.validate import validate_run
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- plans and their validation (no process group) -------------------------------------------------------
@@ -63,13 +55,9 @@ def test_plan_errors_name_the_problem():
 
 
 # -- parity: a user's own module + plan, built-in plans, loss parallel, bytes --------------------------------
-@pytest.mark.timeout(180)
-def test_tp_parity_worker_two_ranks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "tp_parity_worker.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=cli_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.timeout(500)
+def test_tp_parity_worker_two_ranks(two_ranks):
+    res = two_ranks["tp_parity"]  # tp_parity_worker.py's checks, run in the shared 2-rank group
     user = res["user_model"]
     # errors are in units of the tolerance (ATOL + RTOL*|ref|): <= 1 passes
     assert max(user["out"], user["grad"], user["param"]) <= 1.0, user

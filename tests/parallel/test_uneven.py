@@ -3,7 +3,8 @@ throttle (tests/support/throttle.py; its parser and clock are tested in tests/su
 
 Parity reference: verify/parity.py's single-device run on the same global batch (same seed, weights, data order),
 every step, every rank, at verify's fp32 tolerances (loss 1e-5 relative, grads 1e-4, params 1e-5 + 1e-4
-relative). Two launches (2 and 3 ranks, gloo) run every multi-rank check through uneven_worker.py. The fault
+relative). uneven_worker.py runs every multi-rank check: its 3-rank launch, and its 2-rank checks inside the
+suite's shared 2-rank group (tests/groups.py). The fault
 check: the same split with every rank's loss weighted alike instead of by its tokens (mutation h) must fail.
 """
 
@@ -37,8 +38,9 @@ def launch(nproc: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return launch(2)
+def two_ranks(two_ranks):
+    """The 2-rank checks, run in the suite's shared 2-rank group (tests/groups.py): no launch of their own."""
+    return two_ranks["uneven"]
 
 
 @pytest.fixture(scope="module")

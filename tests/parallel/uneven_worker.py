@@ -77,19 +77,26 @@ def throttled(rt) -> dict:
     return out
 
 
+def run_checks(rt) -> dict:
+    """Every check for this group's world size (2 or 3); the suite runs the 2-rank ones in the shared group of
+    tests/groups.py (dp_worker.py's "uneven")."""
+    out: dict = {"clean": {}, "mutated": {}}
+    for name, overrides in (TWO if rt.world_size == 2 else THREE).items():
+        out["clean"][name] = one(rt, overrides)
+    if rt.world_size == 2:
+        for name, overrides in MUTATED.items():
+            out["mutated"][name] = one(rt, overrides, "dp-split-unweighted")
+        out["slept_s"] = throttled(rt)
+    return out
+
+
 def worker(nproc: int) -> dict | None:
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.worker import setup_logging
 
     setup_logging(int(os.environ.get("RANK", "0")))
     rt = init_runtime("cpu", 120.0)
-    out: dict = {"clean": {}, "mutated": {}}
-    for name, overrides in (TWO if nproc == 2 else THREE).items():
-        out["clean"][name] = one(rt, overrides)
-    if nproc == 2:
-        for name, overrides in MUTATED.items():
-            out["mutated"][name] = one(rt, overrides, "dp-split-unweighted")
-        out["slept_s"] = throttled(rt)
+    out = run_checks(rt)
     shutdown()
     return out if rt.is_main else None
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import CLIResult
 from paratrain.config import TrainConfig
 from paratrain.plan.auto import resolve_auto_strategy
 from paratrain.plan.inputs.hardware import load_profile
+from reliability.inproc import run_cli_inproc
 
 
 @pytest.mark.timeout(600)
@@ -28,8 +30,10 @@ def test_calibrate_then_plan_with_the_profile(cli, tmp_path):
     for cost in ("ddp_us_per_mib", "fsdp_scale", "fsdp_bwd_scale", "dtensor_op", "sp_call", "cp_p2p_call",
                  "cp_all_to_all_call", "pp_microbatch", "fsdp_gather_us", "fsdp_reduce_scatter_us_per_mib"):
         assert prof.framework_us[cost] >= 0
-    plan = cli("plan", "--model", "tiny", "--hardware", str(profile), "--gpus", "2", "--seq-len", "64",
-               "--global-batch", "8", "--dtype", "fp32", "--json", "--top", "3")
+    # in this process: planning starts no worker
+    plan = CLIResult(*run_cli_inproc(["plan", "--model", "tiny", "--hardware", str(profile), "--gpus", "2", "--seq-len",
+                                      "64", "--global-batch", "8", "--dtype", "fp32", "--json", "--top", "3"],
+                                     cwd=tmp_path))
     assert plan.returncode == 0, plan.stderr
     doc = plan.json()
     assert doc["cluster"]["calibrated"] and doc["fits"] and doc["candidates"][0]["step_time_s"] > 0

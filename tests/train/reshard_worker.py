@@ -51,8 +51,15 @@ def fresh_loss(rt, root: Path, layout: str) -> float:
 
 
 def main() -> None:
-    root = Path(sys.argv[1])
     rt = init_runtime("cpu", 60.0)
+    out = run_checks(rt, Path(sys.argv[1]))
+    if rt.is_main:
+        print(json.dumps(out), flush=True)
+    shutdown()
+
+
+def run_checks(rt, root: Path) -> dict:
+    """Every pair, in the current 2-rank group (the suite runs them in tests/groups.py's shared one)."""
     out = {}
     for name in sorted({a for a, _ in PAIRS}):
         trainer = trainer_for(rt, config(rt, root, name, "never"))
@@ -64,9 +71,7 @@ def main() -> None:
     for a, b in PAIRS:
         out[f"{a}->{b}"] = {"original": next_loss(rt, root, a, a), "resharded": next_loss(rt, root, a, b),
                             "not_loaded": fresh_loss(rt, root, b)}
-    if rt.is_main:
-        print(json.dumps(out), flush=True)
-    shutdown()
+    return out
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from helpers import CLIResult
 from paratrain.interop.prepare_tokens import prepare_tokens
+from reliability.inproc import run_cli_inproc
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n\n" * 40,
@@ -58,7 +60,10 @@ def test_tokens_equal_the_tokenizers_own_encoding(tmp_path, corpus):
     assert side["tokenizer_sha256"] == hashlib.sha256((tmp_path / "tok" / "tokenizer.json").read_bytes()).hexdigest()
 
 
-def test_prepare_then_train_end_to_end(cli, tmp_path, corpus):
+def test_prepare_then_train_end_to_end(tmp_path, corpus):
+    def cli(*args: str) -> CLIResult:  # in this process: one rank, no interpreter start
+        return CLIResult(*run_cli_inproc(list(args), cwd=tmp_path))
+
     make_tokenizer(tmp_path / "tok", 300)
     res = cli("data", "prepare", "--tokenizer", "tok", *[p.name for p in corpus], "-o", "tokens.bin", "--json")
     assert res.returncode == 0, res.stderr[-2000:]

@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+from helpers import CLIResult
+from reliability.inproc import run_cli_inproc
+
 
 def losses(path):
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
@@ -27,7 +30,10 @@ def test_resume_reproduces_the_uninterrupted_run(cli, tmp_path, strategy, nproc)
 
 
 @pytest.mark.timeout(120)
-def test_resume_auto_takes_the_newest_complete_checkpoint(cli, tmp_path):
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
+    def cli(*args: str) -> CLIResult:  # in this process: one rank, no interpreter start
+        return CLIResult(*run_cli_inproc(list(args), cwd=tmp_path))
+
     run = cli("train", "--strategy", "single", "--steps", "6", "--ckpt-every", "2", "--ckpt-dir", "ck", "--out", "a")
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-2", "step-4", "step-6"]

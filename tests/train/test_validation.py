@@ -1,35 +1,29 @@
 """Validation loss: --val-data / --val-fraction, --eval-every; identical under every strategy.
 
-Reference: a single-device trainer's val loss on the same held-out batches (fp32: rel 1e-5). One launch of
-2 ranks runs ddp, zero3, tp, pp and cp-ring against it (tests/train/val_worker.py).
+Reference: a single-device trainer's val loss on the same held-out batches (fp32: rel 1e-5). One 2-rank group
+runs ddp, zero3, tp, pp and cp-ring against it (tests/train/val_worker.py, in the suite's shared 2-rank group of
+tests/groups.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import cli_env
+from helpers import CLIResult
 from paratrain.train.data import TokenFile
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from reliability.inproc import run_cli_inproc
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "val_worker.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def two_ranks(two_ranks):
+    """val_worker.py's curves, run in the suite's shared 2-rank group (tests/groups.py): no launch of their own."""
+    return two_ranks["validation"]
 
 
-@pytest.mark.timeout(320)
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp", "pp", "cp-ring"])
 def test_val_loss_is_the_same_under_every_strategy(two_ranks, strategy):
     ref = two_ranks["single"]
@@ -70,10 +64,12 @@ def test_val_data_file_is_read_in_order_from_its_start(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_cli_reports_val_loss_every_n_steps(cli, tmp_path):
+def test_cli_reports_val_loss_every_n_steps(tmp_path):
     write_bin(tmp_path / "t.bin", 40_000)
-    res = cli("train", "--data", "t.bin", "--val-fraction", "0.1", "--eval-every", "2", "--strategy", "single",
-              "--steps", "4", "--global-batch", "8", "--seq-len", "32", "--out", "r", "--json")
+    # in this process (one rank): no interpreter start
+    res = CLIResult(*run_cli_inproc(["train", "--data", "t.bin", "--val-fraction", "0.1", "--eval-every", "2",
+                                     "--strategy", "single", "--steps", "4", "--global-batch", "8", "--seq-len", "32",
+                                     "--out", "r", "--json"], cwd=tmp_path))
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [("val_loss" in x) for x in lines] == [False, True, False, True]
