@@ -105,6 +105,10 @@ def test_diagnosis_from_planted_records():
         "rank 3 died (SIGKILL; the others were in all_reduce #37 on dp_shard, step 3)"]
     assert diagnose(waiting, {0: -15, 3: -15}) == [
         "rank 3 never reached all_reduce #37 on dp_shard (it wrote no record)"]
+    # a peer found gone after the launcher stopped it (SIGTERM) did not die: only the killed one is named
+    lost = {**waiting[0], "reason": "lost_peer", "dead_peers": [1, 3], "time": 1.0}
+    assert diagnose({**waiting, 0: lost}, {1: -15, 3: -9}) == [
+        "rank 3 died (SIGKILL; the others were in all_reduce #37 on dp_shard, step 3)"]
 
 
 @pytest.mark.timeout(120)
