@@ -16,7 +16,10 @@ HERE = Path(__file__).resolve().parent
 
 # a ~1B Llama: llama-162m's 12 heads of 128 at width 1536, 32 blocks, SwiGLU 4096 (1.06B parameters)
 LLAMA_1B = {"dim": 1536, "n_layers": 32, "ffn_dim": 4096}
-CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny"}
+# Qwen3-30B-A3B's MoE layer (128 experts, top-8, expert width 768, width 2048) in 2 blocks (1.85B parameters):
+# the planner's MoE routing and grouped-GEMM costs against one GPU
+QWEN3_MOE_2L = {"n_layers": 2}
+CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny", "qwen3-30b-a3b": "moe-tiny"}
 CPU_SHAPE = {"dim": 96, "n_layers": 3, "ffn_dim": 256}  # the ~1B row's CPU twin: still a config-file shape
 
 
@@ -43,7 +46,11 @@ class Row:
 
     @property
     def model_label(self) -> str:
-        return "llama-1b" if self.shape and self.model == "llama-162m" else self.model
+        if self.shape and self.model == "llama-162m":
+            return "llama-1b"
+        if self.shape and self.model == "qwen3-30b-a3b":
+            return "qwen3-moe-2l"
+        return self.model
 
     @property
     def id(self) -> str:
@@ -124,6 +131,12 @@ GPU_ROWS: list[Row] = [
             cold_s=180, warm_s=60),
     *_train("llama-162m", "fp8", "compile", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=200,
             warm_s=70),
+    *_train("qwen3-30b-a3b", "bf16", "eager", 2, seq_len=2048, shape=tuple(QWEN3_MOE_2L.items()), steps=15,
+            warmup=5, cold_s=40, warm_s=40),
+    Row("doctor", "qwen3-30b-a3b", "bf16", micro_batch=2, seq_len=2048, shape=tuple(QWEN3_MOE_2L.items()), steps=5,
+        warmup=3, cold_s=50, warm_s=50),
+    *_train("qwen3-30b-a3b", "bf16", "compile", 2, seq_len=2048, shape=tuple(QWEN3_MOE_2L.items()), steps=15,
+            warmup=5, cold_s=120, warm_s=50),
 ]
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from paratrain.models.moe import grouped_mm_supported, local_dispatch, local_weight
+from paratrain.models.moe import grouped_mm_inputs, grouped_mm_supported, local_dispatch, local_weight
 
 IMPLEMENTATION = "paratrain"
 
@@ -73,11 +73,13 @@ def grouped_swiglu(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> 
     """x: (copies, H) sorted by expert, counts: copies per expert this rank holds -> (copies, H)."""
     gate_up, down = local_weight(module.gate_up_proj), local_weight(module.down_proj)
     if grouped_mm_supported(x):
+        x, gate_up, down = grouped_mm_inputs(x, gate_up, down)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = module._apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs))
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
-    outs = [F.linear(module._apply_gate(F.linear(chunk, gate_up[e])), down[e])
-            for e, chunk in enumerate(torch.split(x, counts.tolist()))]
+    # unbind, not gate_up[e]: indexing's backward writes a zero gradient of all experts per expert
+    outs = [F.linear(module._apply_gate(F.linear(chunk, a)), b)
+            for chunk, a, b in zip(torch.split(x, counts.tolist()), gate_up.unbind(0), down.unbind(0))]
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 

@@ -23,9 +23,17 @@ def local_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on Hopper-class GPUs in bf16; elsewhere the experts run as a loop."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """torch._grouped_mm runs on Hopper-class GPUs in bf16: tokens already in bf16, or bf16 autocast on (the
+    residual stream stays fp32 under autocast, and autocast has no rule for _grouped_mm, so grouped_mm_inputs
+    casts). Elsewhere the experts run as a loop."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        return False
+    return x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cuda")
+                                         and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+
+
+def grouped_mm_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(torch.bfloat16) for t in tensors]
 
 
 class Experts(nn.Module):
@@ -41,11 +49,14 @@ class Experts(nn.Module):
         """x: (tokens, dim) sorted by expert; counts: tokens per (local) expert."""
         w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
         if grouped_mm_supported(x):
+            x, w1, w2, w3 = grouped_mm_inputs(x, w1, w2, w3)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
             return torch._grouped_mm(h, w2, offs=offs)
-        outs = [F.silu(chunk @ w1[e]) * (chunk @ w3[e]) @ w2[e]
-                for e, chunk in enumerate(torch.split(x, counts.tolist()))]
+        # unbind, not w1[e]: indexing's backward writes a zero gradient of all n experts per expert (n^2 traffic)
+        outs = [F.silu(chunk @ a) * (chunk @ c) @ b
+                for chunk, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0),
+                                          w3.unbind(0))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
