@@ -59,6 +59,49 @@ def test_moe_block_matches_per_token_routing(router):
     assert int(moe.last_load.sum()) == 12 * 2  # dropless: every routed copy reached an expert
 
 
+def test_moe_gradients_match_per_token_routing():
+    """The expert loop (unbound weights) and the batched combine give the per-token definition's gradients."""
+    args = ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8)
+    torch.manual_seed(0)
+    moe = MoE(args)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(12, 16, requires_grad=True)
+    grads = []
+    for forward in (moe.eval(), lambda t: per_token_reference(moe, t)):
+        moe.zero_grad()
+        x.grad = None
+        forward(x).square().sum().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in moe.experts.parameters()),
+                      moe.router.gate.weight.grad.clone()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_routed_copies_are_cast_to_the_autocast_dtype_before_dispatch():
+    """Under autocast the experts compute in bf16: the copies leave in bf16 (half the bytes gathered and sent)."""
+    from paratrain.models.moe import local_dispatch
+
+    args = ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8)
+    torch.manual_seed(0)
+    moe = MoE(args)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    seen = []
+
+    def recording_dispatch(x, *rest):
+        seen.append(x.dtype)
+        return local_dispatch(x, *rest)
+
+    moe.dispatch = recording_dispatch
+    x = torch.randn(12, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe.eval()(x)
+    moe(x)
+    assert seen == [torch.bfloat16, torch.float32]
+    torch.testing.assert_close(out.float(), per_token_reference(moe, x), rtol=0.05, atol=0.05)
+
+
 def test_capacity_factor_drops_overflow_and_bias_update_balances():
     args = ModelArgs(dim=8, n_experts=4, top_k=1, moe_ffn_dim=8, capacity_factor=1.0, bias_update_rate=0.1)
     moe = MoE(args)

@@ -15,6 +15,7 @@ from torch import nn
 
 from paratrain.models.args import ModelArgs
 from paratrain.models.llama import FeedForward, Transformer
+from paratrain.models.routing import inverse_permutation, permute, sorted_copies
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
@@ -82,12 +83,31 @@ class Router(nn.Module):
         return gates.type_as(x), ids, probs
 
 
+def routed_input(x: torch.Tensor) -> torch.Tensor:
+    """The tokens the experts receive. Under autocast the experts compute in its dtype, so the copies are cast
+    once before they are gathered, sorted and sent: half the bytes of the fp32 residual stream, same numerics."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
+def combine(y: torch.Tensor, gates: torch.Tensor, tokens: torch.Tensor, n_tokens: int, top_k: int) -> torch.Tensor:
+    """Each token's output: its copies' results (rows in routed order) weighted by their gates. Dropless routing
+    keeps every token's k copies side by side, so this is a (1 x k) @ (k x dim) product per token: one read of
+    y, no atomics; with copies dropped over capacity, an index_add."""
+    if y.shape[0] == n_tokens * top_k:
+        return torch.bmm(gates.view(n_tokens, 1, top_k).to(y.dtype), y.view(n_tokens, top_k, -1)).view(n_tokens, -1)
+    out = y.new_zeros(n_tokens, y.shape[-1], dtype=torch.promote_types(y.dtype, gates.dtype))
+    return out.index_add(0, tokens, y * gates[:, None])
+
+
 def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: Experts,
-                   n_experts: int) -> torch.Tensor:
-    """Every expert on this rank: the routed copies sorted by expert, one grouped GEMM, rows in routed order."""
+                   n_experts: int, top_k: int = 0) -> torch.Tensor:
+    """Every expert on this rank: the routed copies sorted by expert, one grouped GEMM, rows in routed order.
+    top_k: each token's copies are its k adjacent ones (dropless routing); 0 when copies were dropped."""
     order = experts_ids.argsort(stable=True)
-    y = experts(x[tokens[order]], torch.bincount(experts_ids, minlength=n_experts))
-    return torch.zeros_like(y).index_copy(0, order, y)
+    inverse = inverse_permutation(order)
+    y = experts(sorted_copies(x, tokens, order, inverse, top_k), torch.bincount(experts_ids, minlength=n_experts))
+    return permute(y, inverse, order)
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -143,8 +163,10 @@ class MoE(nn.Module):
         routing = self.reduce_counts(local.float())
         counts, tokens_total = routing[0], routing[0].sum()
         self.last_load = counts.detach()
-        y = self.dispatch(x, tokens, experts_ids, self.experts, self.n_experts)
-        out = torch.zeros_like(x).index_add(0, tokens, y * gates[:, None])
+        dropless = tokens.numel() == x.shape[0] * self.top_k
+        y = self.dispatch(routed_input(x), tokens, experts_ids, self.experts, self.n_experts,
+                          self.top_k if dropless else 0)
+        out = combine(y, gates, tokens, x.shape[0], self.top_k)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():

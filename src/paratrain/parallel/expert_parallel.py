@@ -1,7 +1,7 @@
 """Expert parallelism (--ep): each MoE layer's experts split over ep of the data-parallel ranks, tokens sent to
 their experts and back with all_to_all_single (variable splits), expert weights FSDP-sharded over the rest.
 
-An MoE layer is found by its swap points, never by its class (parallel/ does not import models/): `dispatch`,
+An MoE layer is found by its swap points, never by its class (of models/ only routing.py is used): `dispatch`,
 `reduce_counts` and `aux_scale`. Its expert weights are its `experts` submodule (models/moe.py) or, where it has
 none, the layer itself (a transformers experts module, models/hf_moe.py: `reduce_counts` None, no balancing
 loss). `attach_moe` runs for every layout (the balancing loss counts tokens over all data ranks even without
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.models.routing import inverse_permutation, permute, sorted_copies
 from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
@@ -144,9 +145,10 @@ class AllToAllDispatch:
         self.group, self.ep, self.weight_grad_scale = group, ep, weight_grad_scale
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: nn.Module,
-                 n_experts: int) -> torch.Tensor:
+                 n_experts: int, top_k: int = 0) -> torch.Tensor:
         local = n_experts // self.ep
         order = experts_ids.argsort(stable=True)
+        inverse = inverse_permutation(order)
         send_counts = torch.bincount(experts_ids, minlength=n_experts)
         # how many copies each rank sends to each of my experts: (ep, local) after the exchange
         recv_counts = torch.empty_like(send_counts)
@@ -155,16 +157,17 @@ class AllToAllDispatch:
                    (send_counts, recv_counts))
         in_splits = send_counts.view(self.ep, local).sum(1).tolist()
         out_splits = recv_counts.view(self.ep, local).sum(1).tolist()
-        received = _AllToAll.apply(x[tokens[order]], out_splits, in_splits, self.group, "moe_dispatch")
+        received = _AllToAll.apply(sorted_copies(x, tokens, order, inverse, top_k), out_splits, in_splits,
+                                   self.group, "moe_dispatch")
         # arrivals come by source rank, each sorted by expert: regroup them by local expert for one GEMM
         expert_of = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts)
         regroup = expert_of.argsort(stable=True)
+        ungroup = inverse_permutation(regroup)
         scale = self.weight_grad_scale
-        grouped = _ScaleGrad.apply(received[regroup], 1.0 / scale)  # the input's gradient comes back unscaled
+        grouped = _ScaleGrad.apply(permute(received, regroup, ungroup), 1.0 / scale)  # input's gradient unscaled
         y = _ScaleGrad.apply(experts(grouped, torch.bincount(expert_of, minlength=local)), scale)
-        y = torch.zeros_like(y).index_copy(0, regroup, y)
-        back = _AllToAll.apply(y, in_splits, out_splits, self.group, "moe_combine")
-        return torch.zeros_like(back).index_copy(0, order, back)
+        back = _AllToAll.apply(permute(y, ungroup, regroup), in_splits, out_splits, self.group, "moe_combine")
+        return permute(back, inverse, order)
 
 
 def forward_runs_collectives(model: nn.Module) -> bool:

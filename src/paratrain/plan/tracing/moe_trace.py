@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.models.moe import combine, routed_input
+from paratrain.models.routing import inverse_permutation, permute, sorted_copies
+
 
 def balanced_forward(moe: nn.Module, ep: int = 1, log=None):
     """Under --ep the rank runs the T*k copies of its ep group's tokens that its E/ep experts receive (as many
@@ -36,18 +39,19 @@ def balanced_forward(moe: nn.Module, ep: int = 1, log=None):
         gates, ids = top.values.type_as(flat).flatten(), top.indices.flatten()
         tokens = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(k)
         order = ids.argsort(stable=True)
-        copies = flat[tokens[order]]
+        inverse = inverse_permutation(order)
+        copies = sorted_copies(routed_input(flat), tokens, order, inverse, k)
         if ep > 1:  # what arrives from the all-to-all, regrouped by local expert
-            copies = exchanged(copies, log)[order]
+            copies = permute(exchanged(copies, log), order, inverse)
         per_expert = math.ceil(copies.shape[0] / n)
         pad = per_expert * n - copies.shape[0]  # balanced routing fills every expert alike: usually none
         padded = (F.pad(copies, (0, 0, 0, pad)) if pad else copies).view(n, per_expert, -1)
         hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
         routed = torch.bmm(hidden, w2).reshape(n * per_expert, -1)[: copies.shape[0]]
         if ep > 1:  # back in arrival order, then through the all-to-all home
-            routed = exchanged(torch.zeros_like(routed).index_copy(0, order, routed), log)
-        routed = torch.zeros_like(routed).index_copy(0, order, routed)
-        out = torch.zeros_like(flat).index_add(0, tokens, routed * gates[:, None])
+            routed = exchanged(permute(routed, inverse, order), log)
+        routed = permute(routed, inverse, order)
+        out = combine(routed, gates, tokens, flat.shape[0], k)
         if moe.shared is not None:
             out = out + moe.shared(flat)
         return out.view(shape)
