@@ -203,23 +203,40 @@ def test_ep_layouts_planted_faults_and_resume_at_another_ep_on_four_ranks():
         assert resume[name] == pytest.approx(resume["ep2_full"], rel=1e-5), resume
 
 
-def test_doctor_names_a_collapsed_router_and_not_a_clean_one(cli, tmp_path):
+def test_doctor_names_a_collapsed_router_and_not_a_clean_one(cli_here, tmp_path):
     """A router biased to expert 0 (tests/support/moe_faults.py) is named expert_imbalance; the same run with
     its own router is not; metrics.jsonl carries the per-layer load either way."""
     found = {}
     for fault in ("moe-biased-router", ""):
         env = plugin_env("support.moe_faults:plugin", PARATRAIN_TEST_MOE_FAULT=fault)
-        res = cli("doctor", "--model", "moe-tiny", "--strategy", "single", "--steps", "4", "--json", env=env)
+        res = cli_here("doctor", "--model", "moe-tiny", "--strategy", "single", "--steps", "4", "--json", env=env)
         assert res.returncode == 0, res.stderr[-2000:]
         found[fault] = {f["cause"]: f for f in json.loads(res.stdout)["findings"]}
     biased = found["moe-biased-router"]["expert_imbalance"]
     assert biased["severity"] == "high" and "expert 0 takes 2.00x the mean" in biased["evidence"], biased
     assert "expert_imbalance" not in found[""], found[""]
     run = tmp_path / "run"
-    res = cli("train", "--model", "moe-tiny", "--strategy", "single", "--steps", "2", "--out", str(run))
+    res = cli_here("train", "--model", "moe-tiny", "--strategy", "single", "--steps", "2", "--out", str(run))
     assert res.returncode == 0, res.stderr[-2000:]
     load = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["expert_load"]
     assert [layer["layer"] for layer in load] == ["layers.0.feed_forward", "layers.1.feed_forward"]
     copies = {sum(layer["tokens_per_expert"]) for layer in load}
     assert len(copies) == 1 and copies.pop() % 2 == 0  # every token's top-2 copies, in every layer (dropless)
     assert all(layer["max_over_mean"] < 1.4 and layer["dropped"] == 0 for layer in load), load
+
+
+def test_moe_routing_traces_under_torch_compile():
+    """The routing has no data-dependent shapes (counts by scatter_add, sorts undone by gathers): dynamo and AOT
+    autograd trace it; the CPU expert loop, which reads its split sizes on the host, is a graph break. Losses
+    and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = build_model(PRESETS["moe-tiny"])
+    tokens = torch.randint(0, 256, (2, 16))
+    results = []
+    for forward in (model, torch.compile(model, backend="aot_eager", fullgraph=False)):
+        model.zero_grad()
+        loss = F.cross_entropy(forward(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        results.append([loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

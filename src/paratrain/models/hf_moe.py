@@ -34,6 +34,7 @@ from paratrain.models.moe import (
     local_weight,
     routed_input,
 )
+from paratrain.models.routing import expert_counts
 
 IMPLEMENTATION = "paratrain"
 
@@ -84,6 +85,12 @@ def grouped_swiglu(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> 
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = module._apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs))
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+    return _expert_loop(module, x, counts, gate_up, down)
+
+
+@torch.compiler.disable  # the split sizes are read on the host: the rest of the model still compiles
+def _expert_loop(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
     # unbind, not gate_up[e]: indexing's backward writes a zero gradient of all experts per expert
     outs = [F.linear(module._apply_gate(F.linear(chunk, a)), b)
             for chunk, a, b in zip(torch.split(x, counts.tolist()), gate_up.unbind(0), down.unbind(0))]
@@ -98,7 +105,7 @@ def paratrain_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     experts_ids, gates = top_k_index.reshape(-1), top_k_weights.reshape(-1)
     # verify's fingerprint (models/moe.py): per expert, its copies and the sum of their tokens' first feature
     self.last_routing = torch.stack([
-        torch.bincount(experts_ids, minlength=n_experts).float(),
+        expert_counts(experts_ids, n_experts).float(),
         torch.zeros(n_experts, device=hidden_states.device).index_add(0, experts_ids,
                                                                       hidden_states[tokens, 0].detach().float())])
     self.last_load = self.last_routing[0]

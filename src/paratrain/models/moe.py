@@ -15,7 +15,7 @@ from torch import nn
 
 from paratrain.models.args import ModelArgs
 from paratrain.models.llama import FeedForward, Transformer
-from paratrain.models.routing import inverse_permutation, permute, sorted_copies
+from paratrain.models.routing import expert_counts, inverse_permutation, permute, sorted_copies
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
@@ -54,11 +54,16 @@ class Experts(nn.Module):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
             return torch._grouped_mm(h, w2, offs=offs)
-        # unbind, not w1[e]: indexing's backward writes a zero gradient of all n experts per expert (n^2 traffic)
-        outs = [F.silu(chunk @ a) * (chunk @ c) @ b
-                for chunk, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0),
-                                          w3.unbind(0))]
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+        return expert_loop(x, counts, w1, w2, w3)
+
+
+@torch.compiler.disable  # the split sizes are read on the host: the rest of the model still compiles
+def expert_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+    # unbind, not w1[e]: indexing's backward writes a zero gradient of all n experts per expert (n^2 traffic)
+    outs = [F.silu(chunk @ a) * (chunk @ c) @ b
+            for chunk, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
 class Router(nn.Module):
@@ -106,7 +111,7 @@ def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Ten
     top_k: each token's copies are its k adjacent ones (dropless routing); 0 when copies were dropped."""
     order = experts_ids.argsort(stable=True)
     inverse = inverse_permutation(order)
-    y = experts(sorted_copies(x, tokens, order, inverse, top_k), torch.bincount(experts_ids, minlength=n_experts))
+    y = experts(sorted_copies(x, tokens, order, inverse, top_k), expert_counts(experts_ids, n_experts))
     return permute(y, inverse, order)
 
 
@@ -156,7 +161,7 @@ class MoE(nn.Module):
             tokens, experts_ids, gates = self._drop_over_capacity(tokens, experts_ids, gates, x.shape[0])
         # the routing fingerprint verify compares: per expert, its token count and the sum of its tokens'
         # first feature (a misrouted token changes both); reduce_counts sums them over the data ranks
-        local = torch.stack([torch.bincount(experts_ids, minlength=self.n_experts).to(x.dtype),
+        local = torch.stack([expert_counts(experts_ids, self.n_experts).to(x.dtype),
                              torch.zeros(self.n_experts, dtype=x.dtype, device=x.device).index_add(
                                  0, experts_ids, x[tokens, 0].detach())])
         self.last_routing = local.detach().float()  # this rank's share; verify sums the ranks' itself
@@ -179,6 +184,7 @@ class MoE(nn.Module):
             out = _AddAuxLoss.apply(out, aux, self.aux_scale, update)
         return out.view(shape)
 
+    @torch.compiler.disable  # which copies survive, and how many, depends on the data
     def _drop_over_capacity(self, tokens, experts_ids, gates, n_tokens: int):
         """Keep each expert's first `capacity` copies in token order (a capacity factor is not dropless)."""
         capacity = max(1, int(self.capacity_factor * n_tokens * self.top_k / self.n_experts + 0.999999))

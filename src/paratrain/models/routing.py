@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 
+def expert_counts(experts_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Copies per expert. Unlike bincount, its size never depends on the data, so torch.compile traces it."""
+    return experts_ids.new_zeros(n_experts).scatter_add_(0, experts_ids, torch.ones_like(experts_ids))
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models.routing import inverse_permutation, permute, sorted_copies
+from paratrain.models.routing import expert_counts, inverse_permutation, permute, sorted_copies
 from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
@@ -144,12 +144,13 @@ class AllToAllDispatch:
     def __init__(self, group, ep: int, weight_grad_scale: float = 1.0):
         self.group, self.ep, self.weight_grad_scale = group, ep, weight_grad_scale
 
+    @torch.compiler.disable  # the all-to-all's split sizes are read on the host
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: nn.Module,
                  n_experts: int, top_k: int = 0) -> torch.Tensor:
         local = n_experts // self.ep
         order = experts_ids.argsort(stable=True)
         inverse = inverse_permutation(order)
-        send_counts = torch.bincount(experts_ids, minlength=n_experts)
+        send_counts = expert_counts(experts_ids, n_experts)
         # how many copies each rank sends to each of my experts: (ep, local) after the exchange
         recv_counts = torch.empty_like(send_counts)
         collective("moe_splits", "ep", "all_to_all", self.group,
@@ -165,7 +166,7 @@ class AllToAllDispatch:
         ungroup = inverse_permutation(regroup)
         scale = self.weight_grad_scale
         grouped = _ScaleGrad.apply(permute(received, regroup, ungroup), 1.0 / scale)  # input's gradient unscaled
-        y = _ScaleGrad.apply(experts(grouped, torch.bincount(expert_of, minlength=local)), scale)
+        y = _ScaleGrad.apply(experts(grouped, expert_counts(expert_of, local)), scale)
         back = _AllToAll.apply(permute(y, ungroup, regroup), in_splits, out_splits, self.group, "moe_combine")
         return permute(back, inverse, order)
 

@@ -39,10 +39,13 @@ def parallelize(model: nn.Module, layout: Layout, tp_plan: dict | None = None) -
     if layout.compile:
         from paratrain.parallel.compile import apply_compile
 
-        # ring attention's P2P sends cannot be traced: let dynamo compile around them (a graph break)
+        from paratrain.parallel.expert_parallel import moe_modules
+
+        # ring attention's P2P sends, and an MoE layer's host reads (the expert loop's split sizes, the
+        # all-to-all's), cannot be traced: let dynamo compile around them (a graph break)
         # on one device (no DDP/FSDP hooks to keep outside the compiled code) the whole model, else per block
-        model = apply_compile(model, fullgraph=not (layout.cp_enabled and layout.cp_impl == "ring"),
-                              whole=layout.world == 1)
+        breaks = (layout.cp_enabled and layout.cp_impl == "ring") or bool(moe_modules(model))
+        model = apply_compile(model, fullgraph=not breaks, whole=layout.world == 1)
 
     # FSDP2 (ZeRO-2/3, HSDP) when dp_shard > 1, else DDP (+ comm hook / local SGD) over dp_cp
     from paratrain.parallel.data_parallel import apply_data_parallel
