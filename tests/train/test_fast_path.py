@@ -173,6 +173,7 @@ def test_oom_dumps_a_snapshot_and_names_the_planner(tmp_path, fake_cuda_memory, 
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(trainer, "train_step", out_of_memory)
+    monkeypatch.setattr(trainer, "launch_step", out_of_memory)  # fit()'s step while its records are deferred
     with pytest.raises(UserError) as err:
         trainer.fit()
     msg = str(err.value)

@@ -38,7 +38,6 @@ def parallelize(model: nn.Module, layout: Layout, tp_plan: dict | None = None) -
         model = apply_ac(model, layout.ac)
     if layout.compile:
         from paratrain.parallel.compile import apply_compile
-
         from paratrain.parallel.expert_parallel import moe_modules
 
         # ring attention's P2P sends, and an MoE layer's host reads (the expert loop's split sizes, the

@@ -29,8 +29,9 @@ class StepRunner(Protocol):
         """The runner's own optimizers, or None for the trainer's default (AdamW, or ZeRO-1's)."""
         ...
 
-    def reduce_loss(self, local: torch.Tensor) -> float | None:
-        """The global mean loss from this rank's, or None for the trainer's default (the mean over dp x cp)."""
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor | float | None:
+        """The global mean loss from this rank's, or None for the trainer's default (the mean over dp x cp).
+        A tensor left on the device lets fit() read it one step late; a float is a host sync every step."""
         ...
 
     def after_optimizer_step(self) -> None:

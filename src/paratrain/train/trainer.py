@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,9 +40,22 @@ from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
+from paratrain.train.step_record import LaunchedStep, PendingSteps, StepTiming
 from paratrain.train.step_runner import StepRunner
 
 log = logging.getLogger("paratrain")
+
+
+@dataclass
+class FitRun:
+    """Where fit()'s completed records go, and what they add up to."""
+    steplog: StepLog | None
+    monitor: object
+    on_step: object
+    history: list = field(default_factory=list)
+    total_time: float = 0.0  # seconds of the measured steps (those after the first)
+    measured_steps: int = 0
+    tokens_per_s: float = 0.0  # the latest record's
 
 
 class Trainer:
@@ -254,10 +269,12 @@ class Trainer:
         return self.last_checkpoint
 
     # -- the step -------------------------------------------------------------------------------------------
-    def global_loss(self, local: torch.Tensor) -> float:
+    def global_loss(self, local: torch.Tensor, read: bool = True) -> float | torch.Tensor:
+        """The mean loss over dp x cp (or the runner's own reduction). read=False: a tensor left on the device
+        (no host sync), unless the runner's reduction already read it (a pipeline's)."""
         reduced = self.step_runner.reduce_loss(local)
         if reduced is not None:
-            return reduced
+            return float(reduced) if read else reduced
         if self.distributed:
             mesh = self.layout.submesh("dp_cp")
             if mesh is not None:
@@ -265,9 +282,10 @@ class Trainer:
                 collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(local, group=group),
                            (local,))
                 local /= mesh.size()
-        return float(local.item())
+        return float(local.item()) if read else local
 
-    def optimizer_step(self) -> tuple[float, float]:
+    def optimizer_step(self) -> tuple[float, torch.Tensor]:
+        """Unscale, clip, step: (the learning rate, the gradient norm before clipping, on the device)."""
         self.hooks.fire("on_gradients", self)
         lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
         for opt in self.optimizers:
@@ -285,15 +303,25 @@ class Trainer:
         if self.scaler:
             self.scaler.update()
         self.step_runner.after_optimizer_step()  # e.g. local SGD's periodic parameter averaging
-        return lr, float(norm)
+        return lr, norm
 
     def train_step(self, micro_batches) -> dict:
-        """One optimizer step on these micro-batches, through the wrap_step hooks."""
-        if not self.hooks.has("wrap_step"):
-            return self._train_step(micro_batches)
-        return self.hooks.run_step(self, micro_batches, self._train_step)
+        """One optimizer step on these micro-batches, through the wrap_step hooks: {"loss", "lr", "grad_norm"}
+        as floats (on CUDA, reading them waits for the step)."""
+        return self._through_hooks(micro_batches, read=True)
 
-    def _train_step(self, micro_batches) -> dict:
+    def launch_step(self, micro_batches) -> dict:
+        """train_step without the host reads: "loss" and "grad_norm" stay tensors on the device, so on CUDA the
+        call returns once the step's work is queued (fit()'s deferred records, train/step_record.py)."""
+        return self._through_hooks(micro_batches, read=False)
+
+    def _through_hooks(self, micro_batches, read: bool) -> dict:
+        step = functools.partial(self._train_step, read=read)
+        if not self.hooks.has("wrap_step"):
+            return step(micro_batches)
+        return self.hooks.run_step(self, micro_batches, step)
+
+    def _train_step(self, micro_batches, read: bool = True) -> dict:
         hooks = self.hooks  # on_phase: doctor's phase timer, --monitor's clock (they only read clocks)
         set_step(self.step + 1)
         hooks.phase("start")
@@ -302,9 +330,11 @@ class Trainer:
         local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
         hooks.phase("forward_backward")
         lr, norm = self.optimizer_step()
+        if read:  # inside the phase that waits for it, as --monitor's clock expects
+            norm = float(norm)
         hooks.phase("optimizer")
         self.step += 1
-        loss = self.global_loss(local)
+        loss = self.global_loss(local, read)
         hooks.phase("loss_sync")
         return {"loss": loss, "lr": lr, "grad_norm": norm}
 
@@ -326,61 +356,35 @@ class Trainer:
                                    before_batch=self._before_batch())
         monitor = self.start_monitor(steplog) if cfg.monitor else None
         monitor_clock = self.hooks.on_phase(monitor.clock.on_phase) if monitor else None
-        history, loss, tokens_per_s, mfu, total_time = [], float("nan"), 0.0, None, 0.0
-        measured_steps = 0
+        run = FitRun(steplog, monitor, on_step)
+        pending = PendingSteps(self.defers_records(on_step, monitor), functools.partial(self.complete_record, run=run))
         # wall_s / cpu_s: stamped at the top of every step, so consecutive differences hold everything between
         # (logging, --monitor's windows, callbacks), which step_time_s does not
         loop_wall, loop_cpu = time.perf_counter(), time.process_time()
         try:
             while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                cpu0 = time.process_time()
+                timing = StepTiming(self.rt.device)
+                wall_s, cpu_s = timing.t0 - loop_wall, time.process_time() - loop_cpu
                 if prefetch.position != self.source.step:  # moved by a hook: a healed replica's data position
                     prefetch.close()
                     prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda",
                                                timeout_s=cfg.timeout_s, before_batch=self._before_batch())
                 micro, waited = prefetch.next_step()
-                out = self.train_step(micro)
-                if self.rt.device_type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                loss = out["loss"]
-                if not math.isfinite(loss):
-                    raise RunFailed(f"loss became {loss} at step {self.step}: training diverged; "
-                                    f"try a lower --lr (now {out['lr']:.3g} at this step, peak {cfg.lr:g})")
-                tokens_per_s = self.tokens_per_step / dt
-                mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.layout.world)
-                       if self.peak_tflops else None)
-                if self.step > 1 or cfg.steps == 1:
-                    total_time += dt
-                    measured_steps += 1
-                record = {"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
-                          "step_time_s": dt, "data_wait_s": waited, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                          "mem_peak_gib": self.memory_gib(), "wall_s": t0 - loop_wall, "cpu_s": cpu0 - loop_cpu}
-                if self.args is not None and self.args.moe:  # per-layer expert load (models/moe.py)
-                    from paratrain.models.moe import expert_load_record
-
-                    record.update(expert_load_record(self.step_runner.model_parts))
-                if self.validator and (self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0)):
-                    val = evaluate(self)
-                    self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
-                    record.update(self.last_val)
-                history.append(record)
-                if self.step == 2 and self.predicted_peak_gib is not None and main and not self.quiet:
-                    self.log_memory_against_prediction(record["mem_peak_gib"])
-                if steplog and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
-                    steplog.log(record)
-                if monitor:
-                    monitor.observe(record)
-                if on_step is not None:
-                    on_step(self, record)
-                self.hooks.fire("after_step", self, record)
+                out = self.launch_step(micro) if pending.defer else self.train_step(micro)
+                launched = LaunchedStep.launched(self.step, out, timing, data_wait_s=waited,
+                                                 mem_peak_gib=self.memory_gib(), wall_s=wall_s, cpu_s=cpu_s)
+                pending.add(launched, read_now=self.needs_record_now())  # deferring: the previous step's record
                 if self.stop_reason is not None:
                     break
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
                     self.save_checkpoint()
-        except torch.cuda.OutOfMemoryError:
-            raise self.out_of_memory() from None
+            pending.finish()
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the records already there; the failure is what is reported
+                pending.complete_ready()
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise self.out_of_memory() from None
+            raise
         finally:
             prefetch.close()
             if monitor:
@@ -389,7 +393,9 @@ class Trainer:
             self.mem_snapshot.finish()
             if steplog:
                 steplog.close()
-        avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else tokens_per_s
+        history, total_time, measured_steps = run.history, run.total_time, run.measured_steps
+        loss = history[-1]["loss"] if history else float("nan")
+        avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else run.tokens_per_s
         avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.layout.world)
                    if (self.peak_tflops and total_time) else None)
         return {"steps": self.step, "final_loss": loss, "loss_floor": self.floor, "tokens_per_s": avg_tps,
@@ -400,6 +406,60 @@ class Trainer:
                 "losses": [r["loss"] for r in history], "predicted_peak_gib": self.predicted_peak_gib,
                 "stopped": self.stop_reason,
                 **self.last_val, **self.data_summary()}
+
+    def defers_records(self, on_step, monitor) -> bool:
+        """Whether fit() may complete a step's record after launching the next step (train/step_record.py): only
+        when nothing needs the record before then: no on_step callback, after_step hook or --monitor (they may
+        stop the run, save, or read the model or the phase clocks at that step) and no MoE layer (its expert
+        load is read from the model). Decided once, when fit() starts."""
+        moe = self.args is not None and self.args.moe
+        return on_step is None and monitor is None and not self.hooks.has("after_step") and not moe
+
+    def needs_record_now(self) -> bool:
+        """Whether the step just launched must have its record complete before the next launch: it validates,
+        checkpoints (never a diverged step's update) or is the last one, or something asked to stop."""
+        cfg, step = self.cfg, self.step
+        return (step >= cfg.steps or self.stop_reason is not None
+                or bool(self.validator and cfg.eval_every and step % cfg.eval_every == 0)
+                or bool(cfg.ckpt_every and step % cfg.ckpt_every == 0 and self.ckpt_dir()))
+
+    def complete_record(self, launched: LaunchedStep, run: FitRun) -> None:
+        """Step `launched.step`'s record: its values read, checked, then handed on in order (metrics.jsonl,
+        --monitor, on_step, the after_step hooks). Validation runs here: such a step is completed before the
+        next one is launched (needs_record_now), so it evaluates the model as that step left it."""
+        cfg, step, main = self.cfg, launched.step, self.rt.is_main
+        loss, grad_norm, dt = launched.values()
+        if not math.isfinite(loss):
+            raise RunFailed(f"loss became {loss} at step {step}: training diverged; "
+                            f"try a lower --lr (now {launched.lr:.3g} at this step, peak {cfg.lr:g})")
+        tokens_per_s = self.tokens_per_step / dt
+        mfu = (self.flops_per_step / dt / (self.peak_tflops * 1e12 * self.layout.world)
+               if self.peak_tflops else None)
+        if step > 1 or cfg.steps == 1:
+            run.total_time += dt
+            run.measured_steps += 1
+        record = {"step": step, "loss": loss, "lr": launched.lr, "grad_norm": grad_norm,
+                  "step_time_s": dt, "data_wait_s": launched.data_wait_s, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "mem_peak_gib": launched.mem_peak_gib, "wall_s": launched.wall_s, "cpu_s": launched.cpu_s}
+        if self.args is not None and self.args.moe:  # per-layer expert load (models/moe.py)
+            from paratrain.models.moe import expert_load_record
+
+            record.update(expert_load_record(self.step_runner.model_parts))
+        if self.validator and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            val = evaluate(self)
+            self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
+            record.update(self.last_val)
+        run.history.append(record)
+        run.tokens_per_s = tokens_per_s
+        if step == 2 and self.predicted_peak_gib is not None and main and not self.quiet:
+            self.log_memory_against_prediction(record["mem_peak_gib"])
+        if run.steplog and (step % cfg.log_every == 0 or step == cfg.steps):
+            run.steplog.log(record)
+        if run.monitor:
+            run.monitor.observe(record)
+        if run.on_step is not None:
+            run.on_step(self, record)
+        self.hooks.fire("after_step", self, record)
 
     def start_monitor(self, steplog):
         """train --monitor; fit() attaches its clock to the on_phase hook."""
