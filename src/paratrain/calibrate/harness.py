@@ -123,21 +123,28 @@ def interleaved_step_times(trainers: list, rt, rounds: int, warmup: int, per_vis
     """Step seconds of several trainers (the slowest rank's, per round), measured in interleaved rounds so a
     shared machine's changing load falls on every one alike. Each visit runs `per_visit` consecutive steps
     and times the last: the first ones bring that model back into the caches the previous trainer's step
-    evicted, so the timed step is a steady-state one, as in a real run of one config."""
+    evicted, so the timed step is a steady-state one, as in a real run of one config. The steps are launched
+    as fit() launches them (no host read inside a step) and timed as fit() times them (train/step_record.py:
+    on CUDA two events around the step's work, which the GPU reaches back to back while the host runs ahead),
+    so the profile is fitted to the step a training run reports."""
+    from paratrain.train.step_record import StepTiming
+
     times: list[list[float]] = [[] for _ in trainers]
+    cuda = rt.device_type == "cuda"
     for r in range(warmup + rounds):
         for i, trainer in enumerate(trainers):
+            timing = None
             for _ in range(max(1, per_visit)):
                 micro = trainer.source.next_step()
-                if rt.world_size > 1:
+                if rt.world_size > 1 and (timing is None or not cuda):  # on CUDA a barrier would stall the queue
                     dist.barrier()
-                t0 = time.perf_counter()
-                trainer.train_step(micro)
-                if rt.device_type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - t0
+                timing = StepTiming(rt.device)
+                trainer.launch_step(micro)
+                timing.stop()
             if r >= warmup:
-                times[i].append(elapsed)
+                times[i].append(timing.seconds())
+            elif cuda:
+                torch.cuda.synchronize()
     if rt.world_size > 1:  # a step ends when its slowest rank ends
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
