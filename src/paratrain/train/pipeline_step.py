@@ -179,8 +179,9 @@ class PipelineStep:
             self.tied_grad_sum()
         return self._local_loss()
 
-    def reduce_loss(self, local: torch.Tensor) -> float:
-        """The global mean loss, identical on every rank: broadcast from the last stage, average over dp."""
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The global mean loss, identical on every rank: broadcast from the last stage, average over dp. A
+        tensor on the device: the trainer reads it when the record needs it (train/step_record.py)."""
         value = local.detach().float().clone()
         if self.pp_mesh is not None:
             group = self.pp_mesh.get_group()
@@ -192,7 +193,7 @@ class PipelineStep:
             group = dp_cp.get_group()
             collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(value, group=group), (value,))
             value /= dp_cp.size()
-        return float(value.item())
+        return value
 
     def build_optimizers(self, cfg) -> list:
         """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
