@@ -152,6 +152,14 @@ def resolve_config(opts: dict, **forced):
     return load_config(str(opts["config"]) if opts.get("config") else None, overrides)
 
 
+def refuse_replica_healing(cfg, command: str, why: str) -> None:
+    """--heal-replicas is a train option (train/replica_launch.py); the other commands that take the train options
+    must not accept it and silently run without it."""
+    if cfg.heal_replicas:
+        raise UserError(f"--heal-replicas (or heal_replicas in the config) does not apply to `paratrain {command}`: "
+                        f"{why}")
+
+
 def setup_cli_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s", stream=sys.stderr, force=True)
 
@@ -268,6 +276,7 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
     gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
     setup_cli_logging()
     cfg = resolve_config(train_opts, steps=steps)
+    refuse_replica_healing(cfg, "verify", "it compares one run with one device; drop the option")
     from paratrain.train.launch import run_workers
     from paratrain.train.validate import validate_run, world_size_for
     from paratrain.verify.parity import check_verifiable, describe_divergence, verify_worker
@@ -394,6 +403,7 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
             emit_json(report)
         return
     cfg = resolve_config(train_opts)
+    refuse_replica_healing(cfg, "doctor", "it measures a plain run; drop the option")
     if cfg.strategy == "auto":
         from paratrain.plan.auto import resolve_auto_strategy
 
@@ -571,6 +581,8 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
     setup_cli_logging()
     restarts = train_opts.get("max_restarts")
     cfg = resolve_config(train_opts)
+    refuse_replica_healing(cfg, "launch", "replicas heal as processes on one machine; a cluster job restarts "
+                                          "through --max-restarts (docs/reliability.md)")
     opts = LaunchOptions(nodes=nodes, gpus_per_node=gpus_per_node, job_name=job_name,
                          max_restarts=3 if restarts is None else restarts, port=port, image=image, k8s_api=k8s_api,
                          namespace=namespace, partition=partition, account=account, time_limit=time_limit,
