@@ -156,3 +156,24 @@ def test_plan_marks_what_the_runtime_refuses_for_an_hf_moe_model(tmp_path, cli_i
     for cand in cands:
         d = cand["dims"]
         assert d["ep"] == 1 or d["tp"] == d["pp"] == d["cp"] == 1, d
+
+
+def test_plan_marks_pp_with_tp_on_an_hf_dense_model_runtime_unsupported(tmp_path, cli_inproc):
+    """A transformers model's pipeline stages compose with data parallelism only (models/hf_model.py
+    check_hf_pipeline_layout): the planner marks pp x tp with the runtime's own words, as train refuses it."""
+    from transformers import Qwen2Config
+
+    from paratrain.errors import UserError
+    from paratrain.models.hf_model import check_hf_pipeline_layout
+
+    Qwen2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=256, max_position_embeddings=128).save_pretrained(str(tmp_path))
+    res = cli_inproc("plan", "--model", f"hf:{tmp_path}", "--gpu", "h100-sxm", "--gpus", "4", "--seq-len", "64",
+                     "--global-batch", "8", "--pp", "2", "--tp", "2", "--json")
+    doc = json.loads(res.stdout)
+    with pytest.raises(UserError) as refusal:
+        check_hf_pipeline_layout(Layout(pp=2, tp=2))
+    assert doc["candidates"] and {c["runtime_unsupported"] for c in doc["candidates"]} == {str(refusal.value)}
+    res = cli_inproc("plan", "--model", f"hf:{tmp_path}", "--gpu", "h100-sxm", "--gpus", "4", "--seq-len", "64",
+                     "--global-batch", "8", "--pp", "2", "--json")
+    assert all(not c["runtime_unsupported"] for c in json.loads(res.stdout)["candidates"])

@@ -134,19 +134,24 @@ def load_safetensors(model: nn.Module, files: list[Path]) -> None:
 def check_hf_run(layout, cfg, args) -> None:
     """What a transformers model cannot do under paratrain (yet), refused in one line before any process starts
     (train/validate.py) and again in each worker. `args`: the model's ModelArgs (models/hf_args.py)."""
-    if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
-        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
-                        "pp composes with data parallelism (ddp, zero, hsdp) here")
     if cfg.init_from:
         raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
                         "are loaded by --model hf:DIR")
     kind = read_hf_config(cfg.model)["model_type"]
     if getattr(args, "moe", False):
         check_hf_moe_run(layout, kind, args.n_experts)
+    check_hf_pipeline_layout(layout)  # after the MoE rules, in the planner's order (plan/layout_rules.py)
     if layout.tp_enabled and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
                                          "base_model_tp_plan", None):
         raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
                         "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+
+
+def check_hf_pipeline_layout(layout) -> None:
+    """A transformers model's pipeline stages (models/hf_pipeline.py) compose with data parallelism only."""
+    if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
+        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
+                        "pp composes with data parallelism (ddp, zero, hsdp) here")
 
 
 # MoE families whose experts paratrain's forward (models/hf_moe.py) is verified on under --ep and --tp

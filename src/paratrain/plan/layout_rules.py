@@ -46,7 +46,7 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
         check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
         if lay.tp > 1:
             _check_tp_plan(job.args, lay.tp, lay.sp)
-        _check_hf_moe(job, lay)
+        _check_hf_runtime(job, lay)
     except UserError as exc:
         return str(exc)
     if lay.tp > gpus_per_node:
@@ -54,15 +54,18 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
     return None
 
 
-def _check_hf_moe(job: Job, lay: Layout) -> None:
-    """An `hf:` MoE model runs as transformers' own modules (models/hf_model.py), which split their experts in
-    fewer layouts than paratrain's MoE: the runtime's own refusal (ep with tp, pp or cp, SP, tp not dividing the
+def _check_hf_runtime(job: Job, lay: Layout) -> None:
+    """An `hf:` model runs as transformers' own modules (models/hf_model.py), in fewer layouts than paratrain's
+    models: the runtime's own refusals (pp with tp or cp; for MoE: ep with tp, pp or cp, SP, tp not dividing the
     experts, a family not verified)."""
     spec = job.hf_config or (job.model_name if is_hf_model(job.model_name) else None)
-    if spec and job.args.moe:
-        from paratrain.models.hf_model import check_hf_moe_run
+    if not spec:
+        return
+    from paratrain.models.hf_model import check_hf_moe_run, check_hf_pipeline_layout
 
+    if job.args.moe:
         check_hf_moe_run(lay, _hf_model_type(spec), job.args.n_experts)
+    check_hf_pipeline_layout(lay)
 
 
 @functools.lru_cache(maxsize=16)
