@@ -268,8 +268,12 @@ class Layout:
             if len(present) > 1 and flat is None:
                 parent = parent._flatten("_".join(present), backend_override=override)
             rest = f"{dim.name}_rest"
-            out[dim.name] = parent._unflatten(0, (parent.size() // degree, degree), (rest, dim.name),
-                                              backend_override={rest: override, dim.name: override})
+            split = parent._unflatten(0, (parent.size() // degree, degree), (rest, dim.name),
+                                      backend_override={rest: override, dim.name: override})
+            # the two dims flattened back: a norm or sum over both (the grad norm of tensors sharded on both) is
+            # then one collective instead of two in sequence (DTensor looks the flattened view up)
+            split._flatten(backend_override=override)
+            out[dim.name] = split
         return out
 
     def submesh(self, name: str):
