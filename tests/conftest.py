@@ -21,6 +21,19 @@ def cli(tmp_path):
 
 
 @pytest.fixture
+def cli_here(tmp_path):
+    """The `cli` fixture's calls in this process (reliability/inproc.py's run_cli_inproc, cwd = tmp_path, `env` added
+    for the call): no interpreter or torch start, and --nproc > 1 workers fork from the session's warm
+    forkserver. A --nproc 1 run runs here, so its log is in stderr; a worker process's own output is not."""
+    from reliability.inproc import run_cli_inproc
+
+    def _run(*args: str, timeout: float | None = None, env: dict | None = None) -> CLIResult:
+        return CLIResult(*run_cli_inproc(list(args), cwd=tmp_path, env=env))  # the test's own timeout bounds it
+
+    return _run
+
+
+@pytest.fixture
 def cli_inproc(tmp_path, monkeypatch, capsys):
     """paratrain's main() in this process, cwd = tmp_path: no interpreter start, so fast. Only for inputs
     refused before any worker starts (a valid `train` would run here)."""
@@ -60,6 +73,7 @@ def two_ranks(tmp_path_factory, ckpt_dir):
 
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
-    spec = {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir), "pipeline": {"ckpt_dir": None}, "cp_parity": True}
+    spec = {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir), "pipeline": {"ckpt_dir": None}, "cp_parity": True,
+            "moe": True}  # tests/moe/moe_worker.py's checks
     return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=500)
 

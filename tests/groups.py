@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-from helpers import cli_env
+from reliability.inproc import launch_here
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel", "dp_worker.py")
 
@@ -53,14 +52,16 @@ VERIFY = {
 
 
 def launch(nproc: int, spec: dict, tmp_path, timeout: int) -> dict:
-    spec_file = tmp_path / f"spec-{nproc}.json"
-    spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           WORKER, str(spec_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(),
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """dp_worker.run(spec) on `nproc` ranks forked from this process's warm forkserver (no interpreter or torch
+    start per rank, as a torchrun launch pays); `timeout`: the process group's. tmp_path keeps the spec."""
+    (tmp_path / f"spec-{nproc}.json").write_text(json.dumps(spec))  # to rerun by hand: torchrun dp_worker.py SPEC
+    if os.path.dirname(WORKER) not in sys.path:
+        sys.path.insert(0, os.path.dirname(WORKER))  # the ranks import dp_worker by name (they get this sys.path)
+    import dp_worker
+
+    report = launch_here(dp_worker.run, (spec,), nproc, timeout_s=timeout)
+    assert report is not None
+    return report
 
 
 def verified(group: dict, case: str) -> dict:

@@ -4,8 +4,8 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-def test_default_job_trains_towards_the_floor(cli, tmp_path):
-    res = cli("train", "--steps", "120", "--json", "--out", "run")
+def test_default_job_trains_towards_the_floor(cli_here, tmp_path):
+    res = cli_here("train", "--steps", "120", "--json", "--out", "run")
     assert res.returncode == 0, res.stderr[-2000:]
     summary = res.json()
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2

@@ -25,15 +25,15 @@ def test_custom_model_example_verify_passes(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_train_script_from_the_cli(cli, tmp_path):
-    res = cli("train", "--script", EXAMPLE + ":build", "--strategy", "zero3", "--nproc", "2", "--steps", "5",
+def test_train_script_from_the_cli(cli_here, tmp_path):
+    res = cli_here("train", "--script", EXAMPLE + ":build", "--strategy", "zero3", "--nproc", "2", "--steps", "5",
               "--global-batch", "16", "--out", "r", "--ckpt-every", "5", "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 5 and lines[-1]["loss"] < lines[0]["loss"] and lines[0]["mfu"] is None
     manifest = json.loads((tmp_path / "r" / "checkpoints" / "step-5" / "manifest.json").read_text())
     assert manifest["model"]["custom"] == "custom_mlp.py:build"
-    export = cli("export", "r/checkpoints", "-o", "out")  # a custom model: a plain safetensors state dict
+    export = cli_here("export", "r/checkpoints", "-o", "out")  # a custom model: a plain safetensors state dict
     assert export.returncode == 0, export.stderr[-2000:]
     from safetensors.torch import load_file
 

@@ -100,11 +100,11 @@ def test_layout_fields_compare_but_the_mesh_does_not():
 
 
 @pytest.mark.timeout(300)
-def test_bench_and_doctor_predict_for_the_layout_their_workers_ran(cli):
+def test_bench_and_doctor_predict_for_the_layout_their_workers_ran(cli_here):
     """pp with --micro-batch was where bench and doctor once predicted for another run: each reports the
     layout its workers ran next to the one its prediction used."""
     common = ("--model", "tiny4", "--seq-len", "32", "--timeout-s", "120")
-    res = cli("bench", "--strategies", "pp,cp-ulysses", "--nproc", "2", "--steps", "1", "--warmup", "2",
+    res = cli_here("bench", "--strategies", "pp,cp-ulysses", "--nproc", "2", "--steps", "1", "--warmup", "2",
               "--scaling", "strong", "--global-batch", "8", "--micro-batch", "2", "--json", *common)
     assert res.returncode == 0, res.stderr[-3000:]
     for run in res.json()["runs"]:
@@ -113,7 +113,7 @@ def test_bench_and_doctor_predict_for_the_layout_their_workers_ran(cli):
     pp = next(r for r in res.json()["runs"] if r["strategy"] == "pp")
     assert (pp["layout"]["microbatches"], pp["layout"]["micro_batch"]) == (4, 2)  # 8 sequences, 2 at a time
 
-    res = cli("doctor", "--strategy", "pp", "--nproc", "2", "--global-batch", "8", "--micro-batch", "2",
+    res = cli_here("doctor", "--strategy", "pp", "--nproc", "2", "--global-batch", "8", "--micro-batch", "2",
               "--steps", "2", "--probe-rounds", "0", "--json", *common, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     report = res.json()

@@ -11,8 +11,8 @@ RUN_FIELDS = {"strategy", "world_size", "step_time_s", "tokens_per_s", "scaling_
 
 
 @pytest.mark.timeout(400)
-def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_png_and_html(cli, tmp_path):
-    res = cli("bench", "--strategies", "ddp,zero2,zero3", "--nproc", "1,2", "--json", "--plot", "out.png",
+def test_bench_ddp_zero2_zero3_on_1_and_2_ranks_writes_table_json_png_and_html(cli_here, tmp_path):
+    res = cli_here("bench", "--strategies", "ddp,zero2,zero3", "--nproc", "1,2", "--json", "--plot", "out.png",
               "--html", "out.html",
               "--steps", "2", "--warmup", "2", "--seq-len", "32", "--micro-batch", "4", "--timeout-s", "120",
               timeout=400)

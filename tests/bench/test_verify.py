@@ -44,8 +44,8 @@ def test_verify_ddp_two_ranks_passes(cli):
 
 
 @pytest.mark.timeout(240)
-def test_verify_cli_fails_with_exit_1_and_says_where(cli):
-    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--steps", "2", "--json",
+def test_verify_cli_fails_with_exit_1_and_says_where(cli_here):
+    res = cli_here("verify", "--strategy", "ddp", "--nproc", "2", "--steps", "2", "--json",
               env=plugin_env("support.faults:plugin", **{FAULT_ENV: "dp-grad-sum"}))
     assert res.returncode == 1, res.stderr[-2000:]
     report = res.json()

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import cli_env
+from reliability.inproc import launch_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAST_STAGE = ("layers.1.", "norm.", "output.")  # pp=2 on the 2-layer tiny model: the last stage's parameters
@@ -23,10 +22,12 @@ LAST_STAGE = ("layers.1.", "norm.", "output.")  # pp=2 on the 2-layer tiny model
 
 @pytest.fixture(scope="module")
 def runs():
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mutation_worker.py")], capture_output=True, text=True,
-                          timeout=400, env=cli_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # its 2 ranks fork from this process's warm forkserver (reliability/inproc.py); they import the worker by name
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    from mutation_worker import worker
+
+    return json.loads(json.dumps(launch_here(worker, (), 2, timeout_s=120.0), default=str))
 
 
 def caught(runs, name: str) -> dict:

@@ -73,8 +73,8 @@ def first_step_loss(rt, cfg: TrainConfig, fault: bool) -> float:
         loader.close()
 
 
-def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
+def run(spec: dict) -> dict | None:
+    """SPEC's cases in this process group: rank 0's results (None on the other ranks)."""
     rt = init_runtime("cpu", 120.0)
     base = {"nproc": rt.world_size, "device": "cpu", "metrics": False, "resume": "never", "timeout_s": 120.0,
             **spec["base"]}
@@ -114,7 +114,12 @@ def main() -> None:
                                                "first_divergence": report["first_divergence"]}
     finally:
         shutdown()
-    if rt.is_main:
+    return json.loads(json.dumps(out)) if rt.is_main else None  # plain data, as a JSON line would carry
+
+
+def main() -> None:
+    out = run(json.loads(open(sys.argv[1]).read()))
+    if out is not None:
         print(json.dumps(out))
 
 

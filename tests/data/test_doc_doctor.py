@@ -35,7 +35,8 @@ def data_loading(cli, data: str) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_pre_tokenized_data_removes_the_slow_tokenizers_finding(cli, tmp_path):
+def test_pre_tokenized_data_removes_the_slow_tokenizers_finding(cli_here, tmp_path):
+    cli = cli_here  # one rank, in this process: no interpreter start
     pytest.importorskip("datasets")
     corpus = make_corpus(tmp_path / "corpus")
     slow = data_loading(cli, corpus["a"])

@@ -26,6 +26,7 @@ import sys
 import pytest
 
 from helpers import cli_env, plugin_env
+from reliability.inproc import launch_here
 from support.doc_corpus import make_corpus
 
 pytest.importorskip("datasets")
@@ -84,15 +85,15 @@ def group(corpus, tmp_path_factory):
 
 
 def launch(nproc: int, spec: dict, tmp_path_factory) -> dict:
-    spec_file = tmp_path_factory.mktemp("docs") / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    env = cli_env({"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(WORKER)),
-                                                  os.environ.get("PYTHONPATH", "")])})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), WORKER, str(spec_file)], capture_output=True, text=True, timeout=400,
-                          env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """doc_worker.run(spec) on `nproc` ranks forked from this process's warm forkserver (reliability/inproc.py)."""
+    (tmp_path_factory.mktemp("docs") / "spec.json").write_text(json.dumps(spec))  # to rerun: torchrun doc_worker.py
+    if os.path.dirname(WORKER) not in sys.path:
+        sys.path.insert(0, os.path.dirname(WORKER))  # the ranks import doc_worker by name (they get this sys.path)
+    import doc_worker
+
+    report = launch_here(doc_worker.run, (spec,), nproc, timeout_s=120.0)
+    assert report is not None
+    return report
 
 
 # the composed mesh: FSDP over 2 ranks, each pair splitting the sequence with the ring (4 ranks)

@@ -1,7 +1,8 @@
 """Injected bottlenecks: each run of `paratrain doctor --json` must name the injected cause as its top finding.
 
 Models are tiny and runs short (2 warm-up + 2-3 measured steps); only communication and allocation need
-two processes. The injected causes are large on purpose, so the ranking holds on a busy machine.
+two processes. The injected causes are large on purpose, so the ranking holds on a busy machine. The runs are in
+this process (cli_here: no interpreter start), except allocation's, whose workers must start with its threads.
 """
 
 import json
@@ -46,10 +47,10 @@ def causes(report):
 
 
 @pytest.mark.timeout(300)
-def test_sleeping_loader_is_data_loading_and_trace_opens(cli, tmp_path):
+def test_sleeping_loader_is_data_loading_and_trace_opens(cli_here, tmp_path):
     # one layer, one 8-token sequence: a step takes a few ms, the loader 50 ms per batch
     toml = 'model = "tiny"\nn_layers = 1\nseq_len = 8\nglobal_batch = 1\nstrategy = "single"\nnproc = 1\n'
-    report = doctor(cli, tmp_path, "--steps", "3", "--trace", "trace.json", toml=toml,
+    report = doctor(cli_here, tmp_path, "--steps", "3", "--trace", "trace.json", toml=toml,
                     env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05"))
     assert report["findings"][0]["cause"] == "data_loading", causes(report)
     assert report["findings"][0]["severity"] == "high"
@@ -62,8 +63,8 @@ def test_sleeping_loader_is_data_loading_and_trace_opens(cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_tiny_model_and_batch_is_small_compute(cli, tmp_path):
-    report = doctor(cli, tmp_path, "--strategy", "single", "--nproc", "1", "--global-batch", "1", "--seq-len", "8",
+def test_tiny_model_and_batch_is_small_compute(cli_here, tmp_path):
+    report = doctor(cli_here, tmp_path, "--strategy", "single", "--nproc", "1", "--global-batch", "1", "--seq-len", "8",
                     "--steps", "3")
     top = report["findings"][0]
     assert top["cause"] == "small_compute", causes(report)
@@ -71,10 +72,10 @@ def test_tiny_model_and_batch_is_small_compute(cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_misaligned_vocab_and_hidden_are_shapes_with_padded_sizes(cli, tmp_path):
+def test_misaligned_vocab_and_hidden_are_shapes_with_padded_sizes(cli_here, tmp_path):
     toml = 'model = "tiny"\nvocab_size = 50257\ndim = 96\nseq_len = 16\nglobal_batch = 2\nstrategy = "single"\n' \
            'nproc = 1\n'
-    report = doctor(cli, tmp_path, "--steps", "2", toml=toml)
+    report = doctor(cli_here, tmp_path, "--steps", "2", toml=toml)
     top = report["findings"][0]
     assert top["cause"] == "shapes", causes(report)
     assert top["numbers"]["padded"] == {"vocab_size": 50304, "dim": 128}
@@ -82,8 +83,8 @@ def test_misaligned_vocab_and_hidden_are_shapes_with_padded_sizes(cli, tmp_path)
 
 
 @pytest.mark.timeout(300)
-def test_memory_above_budget_suggests_zero3_ac_and_accumulation(cli, tmp_path):
-    report = doctor(cli, tmp_path, "--strategy", "single", "--nproc", "1", "--global-batch", "4", "--seq-len", "16",
+def test_memory_above_budget_suggests_zero3_ac_and_accumulation(cli_here, tmp_path):
+    report = doctor(cli_here, tmp_path, "--strategy", "single", "--nproc", "1", "--global-batch", "4", "--seq-len", "16",
                     "--steps", "2", "--mem-budget-gib", "0.1")
     top = report["findings"][0]
     assert top["cause"] == "memory" and top["severity"] == "high", causes(report)
@@ -92,11 +93,11 @@ def test_memory_above_budget_suggests_zero3_ac_and_accumulation(cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_large_model_under_ddp_on_gloo_is_communication(cli, tmp_path):
+def test_large_model_under_ddp_on_gloo_is_communication(cli_here, tmp_path):
     # 4.8M parameters (a wide vocabulary) and 16 tokens per rank: the 19 MiB all-reduce dominates the step
     toml = 'model = "tiny"\nvocab_size = 8192\ndim = 256\nffn_dim = 768\nn_layers = 1\nseq_len = 16\n' \
            'global_batch = 2\nstrategy = "ddp"\nnproc = 2\n'
-    report = doctor(cli, tmp_path, "--steps", "3", toml=toml)
+    report = doctor(cli_here, tmp_path, "--steps", "3", toml=toml)
     top = report["findings"][0]
     assert top["cause"] == "communication", causes(report)
     assert top["numbers"]["bytes_per_step"] > 10 * 2**20
@@ -116,8 +117,8 @@ def test_more_threads_than_cores_per_rank_is_allocation(cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_metrics_off_is_monitoring_low(cli, tmp_path):
-    report = doctor(cli, tmp_path, "--no-metrics", "--steps", "3", toml=HEALTHY)
+def test_metrics_off_is_monitoring_low(cli_here, tmp_path):
+    report = doctor(cli_here, tmp_path, "--no-metrics", "--steps", "3", toml=HEALTHY)
     top = report["findings"][0]
     assert top["cause"] == "monitoring" and top["severity"] == "low", causes(report)
     assert all(f["severity"] == "low" for f in report["findings"]), causes(report)

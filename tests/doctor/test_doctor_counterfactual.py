@@ -54,9 +54,9 @@ def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
 
 
 @pytest.mark.timeout(300)
-def test_doctor_ranks_by_the_communication_cost_and_its_html_renders(cli, tmp_path):
+def test_doctor_ranks_by_the_communication_cost_and_its_html_renders(cli_here, tmp_path):
     (tmp_path / "run.toml").write_text(LARGE_DDP)
-    res = cli("doctor", "--config", str(tmp_path / "run.toml"), "--strategy", "ddp", "--nproc", "2",
+    res = cli_here("doctor", "--config", str(tmp_path / "run.toml"), "--strategy", "ddp", "--nproc", "2",
               "--global-batch", "2", "--warmup", "2", "--steps", "4", "--json", "--timeout-s", "120",
               # 2 rounds: each now times the second of two steps per variant, about what 3 single steps cost
               "--probe-rounds", "2",

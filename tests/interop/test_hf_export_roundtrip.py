@@ -27,7 +27,6 @@ import transformers  # the [hf] extra is part of [test]
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import run_cli
 from paratrain.convert.hf_export import export_checkpoint
 from paratrain.errors import UserError
 from paratrain.models.hf_model import build_hf_model
@@ -59,11 +58,12 @@ def write_tokenizer(folder: Path) -> None:
 
 
 def train(root: Path, spec: str, strategy: str, name: str) -> tuple[Path, Path]:
-    """A 2-rank, 2-step run of `spec` saving its last step; returns (checkpoint step dir, metrics.jsonl)."""
-    run = run_cli("train", "--model", spec, "--strategy", strategy, "--nproc", "2", "--steps", "2", "--seq-len",
-                  str(SEQ), "--global-batch", str(BATCH), "--ckpt-every", "2", "--ckpt-dir", f"ck-{name}",
-                  "--out", f"run-{name}", "--resume", "never", cwd=str(root), timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
+    """A 2-rank, 2-step run of `spec` saving its last step; returns (checkpoint step dir, metrics.jsonl). In this
+    process: the ranks fork from its warm forkserver (no interpreter start)."""
+    code, _, err = run_cli_inproc(["train", "--model", spec, "--strategy", strategy, "--nproc", "2", "--steps", "2",
+                                   "--seq-len", str(SEQ), "--global-batch", str(BATCH), "--ckpt-every", "2",
+                                   "--ckpt-dir", f"ck-{name}", "--out", f"run-{name}", "--resume", "never"], cwd=root)
+    assert code == 0, err[-3000:]
     return root / f"ck-{name}" / "step-2", root / f"run-{name}" / "metrics.jsonl"
 
 

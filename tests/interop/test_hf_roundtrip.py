@@ -48,8 +48,8 @@ def metrics(path):
 
 
 @pytest.mark.timeout(300)
-def test_zero3_checkpoint_round_trips_through_transformers(cli, tmp_path):
-    run = cli("train", "--strategy", "zero3", "--nproc", "2", "--steps", "5", "--ckpt-every", "5", "--ckpt-dir",
+def test_zero3_checkpoint_round_trips_through_transformers(cli_here, tmp_path):
+    run = cli_here("train", "--strategy", "zero3", "--nproc", "2", "--steps", "5", "--ckpt-every", "5", "--ckpt-dir",
               "ck", "--out", "a")
     assert run.returncode == 0, run.stderr[-2000:]
     code, out, err = run_cli_inproc(["export", "ck", "-o", "hf", "--max-shard-size", "100KB", "--json"], cwd=tmp_path)
@@ -67,7 +67,7 @@ def test_zero3_checkpoint_round_trips_through_transformers(cli, tmp_path):
     assert (theirs - ours).abs().max().item() < 1e-5
 
     # import: the first training loss equals the exported model's loss on that first batch
-    again = cli("train", "--strategy", "ddp", "--nproc", "2", "--steps", "1", "--init-from", "hf", "--out", "b",
+    again = cli_here("train", "--strategy", "ddp", "--nproc", "2", "--steps", "1", "--init-from", "hf", "--out", "b",
                 "--resume", "never")
     assert again.returncode == 0, again.stderr[-2000:]
     first = metrics(tmp_path / "b" / "metrics.jsonl")[0]["loss"]

@@ -17,8 +17,9 @@ import sys
 
 import pytest
 
-from helpers import run_cli
+from helpers import CLIResult
 from memory_check import predicted_vs_measured
+from reliability.inproc import run_cli_inproc
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +53,9 @@ def test_plan_memory_within_10_percent_of_measured(measured):
 def test_plan_cli_reads_an_hf_directory(measured):
     cfg, result = next((c, r) for c, r in measured if c.strategy == "zero3" and c.model.endswith("qwen2"))
     path = cfg.model.removeprefix("hf:")
-    out = run_cli("plan", "--model", cfg.model, "--gpu", "cpu", "--gpus", "2", "--dp-shard", "2", "--seq-len", "64",
-                  "--global-batch", "8", "--micro-batch", "4", "--dtype", "fp32", "--ac", "none", "--json")
+    out = CLIResult(*run_cli_inproc(["plan", "--model", cfg.model, "--gpu", "cpu", "--gpus", "2", "--dp-shard", "2",
+                                     "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4", "--dtype", "fp32",
+                                     "--ac", "none", "--json"]))  # in this process: plan starts no worker
     assert out.returncode == 0, out.stderr
     doc = out.json()
     assert doc["model"]["name"] == cfg.model and doc["model"]["kv_heads"] == CONFIGS["qwen2"]["num_key_value_heads"]

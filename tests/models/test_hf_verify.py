@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import cli_env
+from reliability.inproc import launch_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the worker and the shared configs beside this file
@@ -31,10 +30,10 @@ def runs(tmp_path_factory):
     for kind in CONFIGS:
         write_config(root, kind)
     write_tied_llama(root)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "hf_verify_worker.py"), str(root)], capture_output=True,
-                          text=True, timeout=400, env=cli_env({"PYTHONPATH": HERE}), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from hf_verify_worker import NPROC, worker  # the ranks import it by name: HERE is on sys.path (above)
+
+    # the ranks fork from this process's warm forkserver (reliability/inproc.py): no interpreter start per rank
+    return json.loads(json.dumps(launch_here(worker, (str(root),), NPROC, timeout_s=90.0), default=str))
 
 
 @pytest.mark.timeout(420)

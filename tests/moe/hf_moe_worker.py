@@ -56,8 +56,8 @@ def config(rt, work: str, kind: str | None, **fields) -> TrainConfig:
                           "global_batch": 4, "metrics": False, "resume": "never", "timeout_s": 120.0, **fields})
 
 
-def main() -> None:
-    work = sys.argv[1]
+def run(work: str) -> dict | None:
+    """Every case and save, in this process group: rank 0's report (None on the other ranks)."""
     rt = init_runtime("cpu", 120.0)
     out = []
     for case in CASES:
@@ -79,10 +79,15 @@ def main() -> None:
         with planted(save.get("fault")):
             Trainer(cfg, rt, run_dir=run_dir, quiet=True).fit()
     dist.barrier()
-    if rt.is_main:
-        print(json.dumps({"verify": out}, default=str), flush=True)
     gc.collect()
     shutdown()
+    return json.loads(json.dumps({"verify": out}, default=str)) if rt.is_main else None
+
+
+def main() -> None:
+    report = run(sys.argv[1])
+    if report is not None:
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # parallelism against one device (fp32, verify/parity.py's tolerances and its router-decision check) and the
 # planted EP faults of tests/support/moe_faults.py, each of which must fail at step 1; and a checkpoint saved
 # at ep=2 resumed at ep=4 and ep=1 (DCP reshards the experts), against the run that never stopped.
-"""Usage: torchrun --standalone --nproc-per-node 4 moe_worker.py [CASE_ID ...] -> rank 0 prints one JSON line."""
+"""Usage: torchrun --standalone --nproc-per-node 4 moe_worker.py [CASE_ID ...] -> rank 0 prints one JSON line. The
+suite runs run_checks in its shared 4-rank group (tests/conftest.py's four_ranks, "moe" in its spec)."""
 
 from __future__ import annotations
 
@@ -56,10 +57,9 @@ def resume_at_other_ep(rt, ckpt_dir: str) -> dict:
     return out
 
 
-def main() -> None:
-    rt = init_runtime("cpu", 120.0)
+def run_checks(rt, only: list[str] | None = None) -> dict:
+    """The cases (those of `only`, all when none) and the resume, in this process group: rank 0's report."""
     out = []
-    only = sys.argv[1:]  # case ids to run (all when none)
     for case in [c for c in CASES if not only or c["id"] in only]:
         fields = {k: v for k, v in case.items() if k not in ("id", "fault")}
         cfg = config(rt, **fields)
@@ -79,6 +79,12 @@ def main() -> None:
             dist.broadcast_object_list(shared, src=0)  # one directory for every rank (rank 0's)
             report["resume"] = resume_at_other_ep(rt, shared[0])
             dist.barrier()
+    return report
+
+
+def main() -> None:
+    rt = init_runtime("cpu", 120.0)
+    report = run_checks(rt, sys.argv[1:])  # case ids to run (all when none)
     dist.barrier()
     if rt.is_main:
         print(json.dumps(report, default=str), flush=True)

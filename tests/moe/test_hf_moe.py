@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -21,7 +20,6 @@ import torch.distributed.checkpoint as dcp
 import transformers  # the [hf] extra is part of [test]
 from safetensors import safe_open
 
-from helpers import cli_env
 from paratrain.convert.hf_export import export_checkpoint
 from paratrain.convert.moe_preset_export import check_mixtral_exportable
 from paratrain.errors import UserError
@@ -29,6 +27,7 @@ from paratrain.models.hf_model import build_hf_model, check_hf_moe_run
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.layout import Layout
 from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from reliability.inproc import launch_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -83,11 +82,12 @@ def check_export(out: Path, paratrain_model: torch.nn.Module) -> str:
 @pytest.mark.timeout(300)
 def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
     write_configs(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "hf_moe_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=cli_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = {r["id"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["verify"]}
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)  # the ranks import the worker by name (they get this sys.path)
+    from hf_moe_worker import run as run_worker
+
+    # 2 ranks forked from this process's warm forkserver (reliability/inproc.py): no interpreter start per rank
+    results = {r["id"]: r for r in launch_here(run_worker, (str(tmp_path),), 2, timeout_s=120.0)["verify"]}
     for kind in ("qwen3_moe", "mixtral", "olmoe"):
         for layout, dims in (("ep2", {"ep": 2, "dp_shard": 2}), ("tp2", {"tp": 2}), ("zero3", {"dp_shard": 2})):
             r = results[f"{kind}-{layout}"]

@@ -3,12 +3,13 @@
 # checkpoints across sizes, pipeline_checks.py's schedules and layouts, uneven_worker.py's splits, and the
 # tensor- and context-parallel parity workers' checks, and tests/train's validation and resharding workers.
 # conftest.py says which.
-"""Usage: torchrun --standalone --nproc-per-node N dp_worker.py SPEC.json -> rank 0 prints one JSON line.
+"""Usage: torchrun --standalone --nproc-per-node N dp_worker.py SPEC.json -> rank 0 prints one JSON line; the
+suite calls run(SPEC) on ranks forked from its warm forkserver instead (tests/groups.py).
 
 SPEC: {"verify": [{"id": NAME, "strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null,
        "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null,
        "pipeline": {"ckpt_dir": DIR|null} | null, "uneven": bool, "tp_parity": bool, "cp_parity": bool,
-       "validation": bool, "reshard": DIR|null}
+       "validation": bool, "reshard": DIR|null, "moe": bool}
 """
 
 from __future__ import annotations
@@ -108,9 +109,8 @@ def run_approx(rt, steps: int, runs: dict) -> dict:
     return losses
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
+def run(spec: dict) -> dict | None:
+    """Every check SPEC names, in this process group; rank 0's report (None on the other ranks)."""
     rt = init_runtime("cpu", 120.0)
     report = {"world_size": rt.world_size, "verify": run_verify(rt, spec.get("verify", []))}
     if spec.get("comm"):
@@ -145,11 +145,22 @@ def main() -> None:
         report["reshard"] = reshard_checks(rt, Path(spec["reshard"]))
     if spec.get("approx"):
         report["approx"] = run_approx(rt, spec["approx"]["steps"], spec["approx"]["runs"])
+    if spec.get("moe"):  # tests/moe/moe_worker.py's expert-parallel cases, faults and resume
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moe"))
+        from moe_worker import run_checks as moe_checks
+
+        report["moe"] = moe_checks(rt)
     dist.barrier()
-    if rt.is_main:
-        print(json.dumps(report), flush=True)
     gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
     shutdown()
+    return json.loads(json.dumps(report)) if rt.is_main else None  # plain data, as a JSON line would carry
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        report = run(json.load(f))
+    if report is not None:
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

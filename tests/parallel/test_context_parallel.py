@@ -147,9 +147,9 @@ def test_verify_fsdp_times_cp_four_ranks(four_ranks):
 
 
 @pytest.mark.timeout(600)
-def test_verify_three_d_mesh_eight_ranks(cli):
+def test_verify_three_d_mesh_eight_ranks(cli_here):
     """dp_shard 2 x cp 2 x tp 2: FSDP over dp_shard_cp, ring attention on each TP rank's local heads."""
-    report = _verify(cli, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--tp", "2",
+    report = _verify(cli_here, "--strategy", "cp-ring", "--dp-shard", "2", "--cp", "2", "--tp", "2",
                      "--nproc", "8", "--steps", "2", "--timeout-s", "300", timeout=580)
     assert report["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "ep": 1, "tp": 2}
 

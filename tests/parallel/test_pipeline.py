@@ -186,8 +186,8 @@ def test_pp4_and_3d_layouts_match_single_device(four_ranks):
 
 
 @pytest.mark.timeout(240)
-def test_verify_json_reports_the_bubble(cli):
-    result = cli("verify", "--strategy", "model", "--nproc", "2", "--steps", "2", "--timeout-s", "60", "--json")
+def test_verify_json_reports_the_bubble(cli_here):
+    result = cli_here("verify", "--strategy", "model", "--nproc", "2", "--steps", "2", "--timeout-s", "60", "--json")
     assert result.returncode == 0, result.stderr
     doc = result.json()
     assert doc["passed"] and doc["dims"]["pp"] == 2

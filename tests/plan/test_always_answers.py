@@ -45,12 +45,23 @@ def test_the_175b_tp8_pp8_fp16_layout_is_priced_and_names_the_rule(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_tied_head_under_pp_is_an_ordinary_candidate(tmp_path):
-    """The runtime runs tied embeddings under pp (parallel/tied_weights.py): Megatron's 175B layout is planned
-    as it ran, not refused."""
-    job, doc = _plan(GPT_175B, tmp_path, dtype="bf16", **ISSUE_LAYOUT)
+    """The runtime runs tied embeddings under pp (parallel/tied_weights.py): a tied-head GPT-2 preset under tp x pp
+    is planned as an ordinary candidate. Megatron's 175B layout as a transformers config runs as transformers'
+    modules (`--model hf:`), whose pipeline composes with data parallelism only: priced, marked with that rule
+    alone (never a tied-head rule)."""
+    from paratrain.models.hf_model import check_hf_pipeline_layout
+    from paratrain.parallel.layout import Layout
+
+    job, hw, fixed = build_job({"model": "gpt2-124m", "gpu": "a100-80", "gpus": 8, "tp": 2, "pp": 4,
+                                "micro_batch": 1, "global_batch": 8, "seq_len": 1024, "dtype": "bf16"})
+    doc = plan_document(job, hw, fixed, top=5)
     best = doc["candidates"][0]
     assert job.args.tie_embeddings and best["step_time_s"] > 0
     assert best["runtime_unsupported"] is None and doc["recommended"] == 0, doc["message"]
+    _, doc = _plan(GPT_175B, tmp_path, dtype="bf16", **ISSUE_LAYOUT)
+    with pytest.raises(Exception) as rule:
+        check_hf_pipeline_layout(Layout(tp=8, pp=8))
+    assert doc["candidates"] and {c["runtime_unsupported"] for c in doc["candidates"]} == {str(rule.value)}
 
 
 def test_fits_nowhere_shows_the_closest_layouts_memory_by_part():

@@ -42,12 +42,12 @@ def test_probe_needs_strategy_auto(cli_inproc):
 
 
 @pytest.mark.timeout(240)
-def test_probe_3_overturns_a_wrong_prediction_and_trains_the_measured_best(cli, tmp_path):
+def test_probe_3_overturns_a_wrong_prediction_and_trains_the_measured_best(cli_here, tmp_path):
     # the catalog's cpu entry (no saved profile); zero3 made to look 100x faster than the model says: on CPU
     # FSDP's per-parameter work makes it measure well behind DDP-style layouts, so the probe must not keep it
     env = {"PARATRAIN_CACHE": str(tmp_path / "cache"),
            **plugin_env("support.prediction_scale:plugin", PARATRAIN_TEST_PREDICTION_SCALE="zero3:0.01")}
-    res = cli("train", "--strategy", "auto", "--probe", "3", "--model", "tiny", "--nproc", "2", "--steps", "1",
+    res = cli_here("train", "--strategy", "auto", "--probe", "3", "--model", "tiny", "--nproc", "2", "--steps", "1",
               "--device", "cpu", "--seq-len", "32", "--global-batch", "4", "--no-metrics", "--json",
               "--timeout-s", "60", "--out", str(tmp_path / "run"), env=env, timeout=230)
     assert res.returncode == 0, res.stderr

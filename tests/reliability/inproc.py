@@ -43,19 +43,63 @@ def make_trainer(rt, **overrides):
     return Trainer(tiny_config(**overrides), rt, None, quiet=True)
 
 
-def run_cli_inproc(argv: list[str], cwd=None) -> tuple[int, str, str]:
+def start_clean_forkserver() -> None:
+    """Start this process's worker forkserver (if it is not running) from an environment without PARATRAIN_*
+    variables. Workers fork from it and inherit its environment; the launcher passes the caller's PARATRAIN_*
+    variables to each worker, but cannot unset one the server kept, so a server started under a test's plugin
+    would load that plugin into every later in-process run."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from paratrain.train.launch import PRELOAD
+
+    saved = dict(os.environ)
+    try:
+        for var in [k for k in os.environ if k.startswith("PARATRAIN_")]:
+            del os.environ[var]
+        os.environ["OMP_NUM_THREADS"] = "1"  # as helpers.cli_env gives a subprocess
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def launch_here(entry, args: tuple, nproc: int, timeout_s: float = 120.0):
+    """entry(*args) on `nproc` ranks forked from this process's forkserver (train/launch.py's run_workers): the
+    ranks skip the interpreter and torch start a torchrun launch pays per rank. Rank 0's return value. The entry
+    must be importable by its module name (the ranks get this process's sys.path)."""
+    from paratrain.train.launch import run_workers
+
+    start_clean_forkserver()
+    saved = dict(os.environ)
+    try:
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(var, None)
+        return run_workers(entry, args, nproc, 0, timeout_s)[0]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_cli_inproc(argv: list[str], cwd=None, env: dict | None = None) -> tuple[int, str, str]:
     """`paratrain ARGV` in this process (fast: no interpreter start): (exit code, stdout, stderr).
 
-    os.environ and the working directory are restored afterwards (a lone run sets RANK/WORLD_SIZE). The
-    CLI's logging is set up at call time on the sys.stderr of the moment, so it lands in the capture."""
+    os.environ and the working directory are restored afterwards (a lone run sets RANK/WORLD_SIZE); `env` is
+    added for the call (e.g. helpers.plugin_env's plugins and their settings). The CLI's logging is set up at
+    call time on the sys.stderr of the moment, so it lands in the capture. Worker processes (--nproc > 1) fork
+    from a forkserver that outlives the call: what they print is not captured, only what this process prints
+    (the JSON summary, the last line of a failure)."""
     import contextlib
     import io
 
     from paratrain import cli
 
+    start_clean_forkserver()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
+    os.environ.update(env or {})
     out, err, code = io.StringIO(), io.StringIO(), 0
     try:
         if cwd is not None:
@@ -69,4 +113,8 @@ def run_cli_inproc(argv: list[str], cwd=None) -> tuple[int, str, str]:
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
+        if env:  # drop the plugins this call loaded here: the next call loads its own, with its own settings
+            from paratrain.train.hooks import default_hooks
+
+            default_hooks()
     return code, out.getvalue(), err.getvalue()

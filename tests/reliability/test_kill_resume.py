@@ -16,7 +16,7 @@ import torch
 
 from helpers import plugin_env
 from paratrain.train import checkpoint as ckpt
-from reliability.inproc import make_trainer, one_rank
+from reliability.inproc import make_trainer, one_rank, run_cli_inproc
 from reliability.procnet import is_loopback
 from reliability.runs import KILL_EVERY, KILL_STEPS, kill_args, run_train
 
@@ -26,14 +26,14 @@ TRIALS = [("ddp", 0), ("ddp", 1), ("zero3", 0), ("zero3", 1)]
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One uninterrupted run per strategy: {strategy: (run dir, Run)}; the ddp one is watched for sockets."""
+    """One uninterrupted run per strategy: {strategy: (run dir, Run)}; the ddp one is watched for sockets (a process
+    of its own); the zero3 one runs in this process (its ranks fork from the warm forkserver: no interpreter start)."""
     root = tmp_path_factory.mktemp("reference")
-    out = {}
-    for strategy in ("ddp", "zero3"):
-        run = run_train(kill_args(strategy, strategy), root, watch=strategy == "ddp")
-        assert run.returncode == 0, run.stderr[-3000:]
-        out[strategy] = (root / strategy, run)
-    return out
+    run = run_train(kill_args("ddp", "ddp"), root, watch=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    code, _, err = run_cli_inproc(["train", *kill_args("zero3", "zero3")], cwd=root)
+    assert code == 0, err[-3000:]
+    return {"ddp": (root / "ddp", run), "zero3": (root / "zero3", None)}
 
 
 def same_params(a: dict, b: dict) -> list[str]:

@@ -5,13 +5,11 @@ One 2-rank launch runs all six trainings (tests/reliability/straggler_worker.py)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import TESTS, cli_env, plugin_env
-from reliability.straggler_worker import STRATEGIES
+from reliability.inproc import launch_here
+from reliability.straggler_worker import STRATEGIES, run_cases
 
 
 def events(run_dir, kind):
@@ -21,10 +19,8 @@ def events(run_dir, kind):
 
 @pytest.mark.timeout(240)
 def test_slowed_rank_is_named_within_three_windows_and_clean_runs_raise_nothing(tmp_path):
-    env = cli_env(plugin_env())
-    proc = subprocess.run([sys.executable, "-m", "reliability.straggler_worker", str(tmp_path)], cwd=TESTS, env=env,
-                          capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the 2 ranks fork from this process's warm forkserver (reliability/inproc.py)
+    launch_here(run_cases, (str(tmp_path),), 2, timeout_s=60)
     for strategy in STRATEGIES:
         slow = tmp_path / f"{strategy}-slow"
         windows = events(slow, "monitor")

@@ -9,7 +9,7 @@ from paratrain.train.runtime import free_loopback_port
 
 
 @pytest.mark.timeout(240)
-def test_train_under_torchrun_matches_our_launcher(cli, tmp_path):
+def test_train_under_torchrun_matches_our_launcher(cli_here, tmp_path):
     from helpers import cli_env
 
     port = free_loopback_port()
@@ -22,6 +22,6 @@ def test_train_under_torchrun_matches_our_launcher(cli, tmp_path):
     import json
 
     via_torchrun = json.loads(proc.stdout)
-    ours = cli("train", "--steps", "4", "--json", "--out", "ours").json()
+    ours = cli_here("train", "--steps", "4", "--json", "--out", "ours").json()
     assert via_torchrun["world_size"] == 2
     assert via_torchrun["final_loss"] == ours["final_loss"]

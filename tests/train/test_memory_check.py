@@ -54,8 +54,8 @@ def test_no_memory_check_and_cpu_without_a_budget_skip_it():
 
 
 @pytest.mark.timeout(200)
-def test_a_fitting_run_logs_predicted_against_measured_at_step_2(cli):
-    res = cli("train", "--model", "tiny", "--strategy", "single", "--nproc", "1", "--steps", "3",
+def test_a_fitting_run_logs_predicted_against_measured_at_step_2(cli_here):
+    res = cli_here("train", "--model", "tiny", "--strategy", "single", "--nproc", "1", "--steps", "3",
               "--mem-budget-gib", "8", "--out", "r", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout)

@@ -19,7 +19,8 @@ def events(run_dir, kind):
 
 
 @pytest.mark.timeout(240)
-def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli, tmp_path):
+def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli_here, tmp_path):
+    cli = cli_here  # one rank, in this process: its log is in stderr
     slow = cli(*RUN, "--out", str(tmp_path / "slow"),
                env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05"))
     assert slow.returncode == 0, slow.stderr[-3000:]

@@ -17,7 +17,8 @@ def losses(path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,nproc", [("single", "1"), ("ddp", "2")])
-def test_resume_reproduces_the_uninterrupted_run(cli, tmp_path, strategy, nproc):
+def test_resume_reproduces_the_uninterrupted_run(cli_here, tmp_path, strategy, nproc):
+    cli = cli_here  # in this process: no interpreter start
     common = ["train", "--strategy", strategy, "--nproc", nproc, "--steps", "20", "--ckpt-dir", "ck"]
     full = cli(*common, "--ckpt-every", "10", "--out", "full", "--resume", "never")
     assert full.returncode == 0, full.stderr[-2000:]
