@@ -45,13 +45,18 @@ def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-def test_moe_block_matches_per_token_routing(router):
-    args = ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8, router=router)
+def random_moe(**shape) -> MoE:
+    """A small MoE layer with weights large enough that routing and every expert matter."""
     torch.manual_seed(0)
-    moe = MoE(args)
+    moe = MoE(ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8, **shape))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_moe_block_matches_per_token_routing(router):
+    moe = random_moe(router=router)
     x = torch.randn(12, 16)
     torch.testing.assert_close(moe.eval()(x), per_token_reference(moe, x), rtol=1e-5, atol=1e-6)
     assert int(moe.last_load.sum()) == 12 * 2  # dropless: every routed copy reached an expert
@@ -59,11 +64,7 @@ def test_moe_block_matches_per_token_routing(router):
 
 def test_moe_gradients_match_per_token_routing():
     """The expert loop (unbound weights) and the batched combine give the per-token definition's gradients."""
-    args = ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8)
-    torch.manual_seed(0)
-    moe = MoE(args)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    moe = random_moe()
     x = torch.randn(12, 16, requires_grad=True)
     grads = []
     for forward in (moe.eval(), lambda t: per_token_reference(moe, t)):
@@ -80,11 +81,7 @@ def test_routed_copies_are_cast_to_the_autocast_dtype_before_dispatch():
     """Under autocast the experts compute in bf16: the copies leave in bf16 (half the bytes gathered and sent)."""
     from paratrain.models.moe import local_dispatch
 
-    args = ModelArgs(dim=16, n_experts=4, top_k=2, moe_ffn_dim=8)
-    torch.manual_seed(0)
-    moe = MoE(args)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    moe = random_moe()
     seen = []
 
     def recording_dispatch(x, *rest):
