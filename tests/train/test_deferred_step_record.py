@@ -38,7 +38,10 @@ def plant(monkeypatch, fault: str) -> None:
     """support.step_faults through PARATRAIN_PLUGINS, loaded afresh by this process's default registry."""
     monkeypatch.setenv(hooks_module.PLUGINS_ENV, "support.step_faults:plugin")
     monkeypatch.setenv(FAULT_ENV, fault)
-    monkeypatch.setattr(hooks_module, "_loaded_spec", None)  # as in a fresh process
+    # a fresh registry, as in a fresh process; monkeypatch puts the old registry and its spec back together, so
+    # later in-process runs do not keep this plugin (restoring the spec alone left it loaded under "")
+    monkeypatch.setattr(hooks_module, "_default", None)
+    monkeypatch.setattr(hooks_module, "_loaded_spec", None)
 
 
 def records(run_dir) -> list[dict]:
