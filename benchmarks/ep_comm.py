@@ -5,11 +5,15 @@
 Runs moe-tiny under --strategy ep (experts split over every rank) on gloo/CPU, once with its own router and once
 with a router biased to expert 0 (tests/support/moe_faults.py: moe-biased-router). The bytes are counted by
 parallel/comm.py's dispatch mode, which sees every c10d all-to-all as issued (its input buffer), not from the
-split sizes paratrain computes. The formula reads the split sizes: per MoE layer and micro-batch a rank's
-all-to-alls carry, as input, the S copies it sends (dispatch forward, then the gradient of what came back)
-and the R copies its experts received (combine forward, then the gradient of what they got), dim values each,
-plus the E split counts (int64): (2 S + 2 R) * dim * 4 + 8 E bytes. A balanced router makes R = S = T*k (the
-planner's closed form, plan/costing/time.py: moe_all_to_all); the biased one loads the rank holding expert 0.
+split sizes paratrain computes. The formula reads the split sizes (parallel/ep_exchange.py: a token travels once
+to each rank holding any of its experts). Per MoE layer and micro-batch a rank's all-to-alls carry, as input:
+the Sr rows it sends and the Rr rows its experts received, dim values each, twice (forward, then their
+gradients); the (row, gate) pair of each of the Sc copies it sends and the pairs' gradients of the Rc copies it
+received (2 fp64 each); the ep x (E/ep + 1) split counts (int64):
+    (2 Sr + 2 Rr) * dim * 4 + (Sc + Rc) * 16 + 8 (E + ep) bytes.
+A balanced router makes Rr = Sr = T * r, with r the ranks a token's k experts reach (the planner's closed form,
+plan/costing/time.py: moe_all_to_all); the biased one loads the rank holding expert 0. Printed too: the rows per
+token against the copies per token (k), the exchange's saving.
 """
 
 from __future__ import annotations
@@ -24,14 +28,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 0.05
 
 
-def formula_bytes(args, sent: int, received: int, calls: int) -> float:
-    """The bytes of `calls` MoE-layer exchanges that sent `sent` and received `received` routed copies."""
-    return (2 * sent + 2 * received) * args.dim * 4 + calls * args.n_experts * 8  # fp32 activations
+def formula_bytes(args, seen: dict, ep: int) -> float:
+    """The bytes of the MoE-layer exchanges whose split counts were `seen` (rows and copies sent and received)."""
+    return ((2 * seen["rows_sent"] + 2 * seen["rows_received"]) * args.dim * 4
+            + (seen["copies_sent"] + seen["copies_received"]) * 16 + seen["calls"] * 8 * (args.n_experts + ep))
 
 
-def balanced_bytes(args, micro_batch: int, seq_len: int, microbatches: int) -> float:
+def balanced_bytes(args, micro_batch: int, seq_len: int, microbatches: int, ep: int) -> float:
+    from paratrain.plan.costing.expert_spread import ranks_per_token
+
     layers = args.n_layers - args.n_dense_layers
-    return microbatches * layers * (4 * micro_batch * seq_len * args.top_k * args.dim * 4 + args.n_experts * 8)
+    tokens = micro_batch * seq_len
+    rows = tokens * ranks_per_token(args.n_experts, args.top_k, ep)
+    copies = tokens * args.top_k
+    return microbatches * layers * (4 * rows * args.dim * 4 + copies * 32 + 8 * (args.n_experts + ep))
 
 
 def worker(steps: int, biased: bool) -> dict | None:
@@ -42,6 +52,7 @@ def worker(steps: int, biased: bool) -> dict | None:
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.collective_hooks import add_interceptor
     from paratrain.parallel.comm import count_collectives
+    from paratrain.parallel.ep_exchange import split_counts
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
     from support.moe_faults import planted
@@ -49,16 +60,20 @@ def worker(steps: int, biased: bool) -> dict | None:
     rt = init_runtime("cpu", 120.0)
     cfg = TrainConfig(model="moe-tiny", strategy="ep", nproc=rt.world_size, device="cpu", steps=steps + 1,
                       metrics=False, resume="never", timeout_s=120.0)
-    seen = {"leaving": 0, "sent": 0, "received": 0, "calls": 0}  # routed copies, from the split counts
+    seen = {"leaving": 0, "copies_sent": 0, "copies_received": 0, "rows_sent": 0, "rows_received": 0, "calls": 0}
 
     def count_splits(call, proceed):
         out = proceed()
         if call.purpose == "moe_splits":
-            sent = call.tensors[0].view(dist.get_world_size(call.group), -1).sum(1)
+            ep = dist.get_world_size(call.group)
+            sent_copies, sent_rows = split_counts(call.tensors[0], ep)
+            got_copies, got_rows = split_counts(call.tensors[1], ep)
             me = dist.get_rank(call.group)
-            seen["leaving"] += int(sent.sum() - sent[me])
-            seen["sent"] += int(sent.sum())
-            seen["received"] += int(call.tensors[1].sum())
+            seen["leaving"] += int(sent_rows.sum() - sent_rows[me])
+            seen["copies_sent"] += int(sent_copies.sum())
+            seen["copies_received"] += int(got_copies.sum())
+            seen["rows_sent"] += int(sent_rows.sum())
+            seen["rows_received"] += int(got_rows.sum())
             seen["calls"] += 1
         return out
 
@@ -73,11 +88,13 @@ def worker(steps: int, biased: bool) -> dict | None:
     layout = trainer.layout
     measured = stats.bytes_by_op.get("all_to_all", 0) / steps
     args = model_args_for(cfg)
-    predicted = formula_bytes(args, seen["sent"], seen["received"], seen["calls"]) / steps
+    predicted = formula_bytes(args, seen, layout.ep) / steps
     row = {"router": "biased to expert 0" if biased else "as trained", "rank": rt.rank,
            "measured_bytes_per_step": measured, "formula_bytes_per_step": predicted,
-           "balanced_bytes_per_step": balanced_bytes(args, layout.micro_batch, cfg.seq_len, layout.microbatches),
-           "error": measured / predicted - 1, "share_leaving_rank": seen["leaving"] / max(1, seen["sent"])}
+           "balanced_bytes_per_step": balanced_bytes(args, layout.micro_batch, cfg.seq_len, layout.microbatches,
+                                                     layout.ep),
+           "error": measured / predicted - 1, "share_leaving_rank": seen["leaving"] / max(1, seen["rows_sent"]),
+           "rows_per_token": seen["rows_sent"] / max(1, seen["copies_sent"]) * args.top_k, "copies_per_token": args.top_k}
     rows = [None] * rt.world_size
     dist.all_gather_object(rows, row)
     shutdown()
@@ -114,7 +131,8 @@ def main() -> int:
             for r in res["ranks"]:
                 print(f"router {res['router']:<20} rank {r['rank']}: measured {r['measured_bytes_per_step']:>10.0f} B/step"
                       f"  formula {r['formula_bytes_per_step']:>10.0f}  error {r['error']:+.2%}"
-                      f"  (balanced: {r['balanced_bytes_per_step']:.0f})  leaving the rank {r['share_leaving_rank']:.0%}")
+                      f"  (balanced: {r['balanced_bytes_per_step']:.0f})  leaving the rank {r['share_leaving_rank']:.0%}"
+                      f"  rows per token {r['rows_per_token']:.2f} (copies {r['copies_per_token']})")
         print(f"worst error {worst:.2%} (tolerance {TOLERANCE:.0%})")
     return 0 if worst <= TOLERANCE else 1
 

@@ -29,7 +29,10 @@ was not rewritten. `plan` column: what `paratrain plan` answers with every choic
 runnable candidate; `unsupported`: priced and marked runtime_unsupported).
 
 Mixture-of-Experts runs (a case whose model names "moe"; its layout may give "ep") are summed up apart from the dense
-ones, and their layouts form their own error-bar family (expert-parallel). A published MoE run whose layout paratrain
+ones, and their layouts form their own error-bar family (expert-parallel). A case's `moe_routing` names the
+routing its source ran where it was not a trained router (plan/costing/expert_spread.py): NeMo AutoModel's
+benchmark gate gives token t the k consecutive experts from t*k ("consecutive"), which reach one or two ranks,
+and so sets the rows --ep's exchange sends per token. A published MoE run whose layout paratrain
 cannot express (published_runs.json `not_expressible`: the reason, and the nearest layout paratrain runs) is
 predicted on that nearest layout and printed last, in no mean and no bar.
 
@@ -95,7 +98,7 @@ def case_job(case: dict, micro_batch: int | None = None):
     job = Job(args=args, model_name=case["id"], gpus=case["gpus"], seq_len=m["seq_len"],
               global_batch=case["global_batch"], dtype=case.get("planner_precision", case["precision"]),
               compile=case.get("compile", False), async_tp=case.get("async_tp", False),
-              dist_optimizer=case.get("dist_optimizer", False))
+              dist_optimizer=case.get("dist_optimizer", False), moe_routing=case.get("moe_routing", "random"))
     lay = dict(case["layout"])
     dp = lay["dp_replicate"] * lay["dp_shard"]
     mb = case["micro_batch"] or micro_batch or 1

@@ -57,6 +57,43 @@ def resume_at_other_ep(rt, ckpt_dir: str) -> dict:
     return out
 
 
+def rows_against_routing(rt) -> dict:
+    """One step at ep=2: the rows this rank sends (read from its moe_splits counts as the collective passes)
+    against the distinct (token, ep rank) pairs of its routers' own choices, summed over the ranks."""
+    from paratrain.parallel.collective_hooks import add_interceptor
+    from paratrain.parallel.ep_exchange import split_counts
+
+    seen = {"rows": 0, "copies": 0, "pairs": 0}
+
+    def count_rows(call, proceed):
+        out = proceed()
+        if call.purpose == "moe_splits":
+            copies, rows = split_counts(call.tensors[0], dist.get_world_size(call.group))
+            seen["rows"] += int(rows.sum())
+            seen["copies"] += int(copies.sum())
+        return out
+
+    trainer = Trainer(config(rt, **EP_FSDP, steps=1), rt, quiet=True)
+    local = trainer.args.n_experts // EP_FSDP["ep"]
+
+    def count_pairs(module, args, output):
+        ranks = (output[1] // local).sort(dim=-1).values  # each token's experts' ep ranks
+        seen["pairs"] += int(ranks.shape[0] + (ranks[:, 1:] != ranks[:, :-1]).sum())
+
+    handles = [m.register_forward_hook(count_pairs) for part in trainer.step_runner.model_parts
+               for m in part.modules() if hasattr(m, "expert_bias") and hasattr(m, "top_k")]
+    remove = add_interceptor(count_rows)
+    try:
+        trainer.train_step(trainer.source.next_step())
+    finally:
+        remove()
+        for h in handles:
+            h.remove()
+    totals = [None] * rt.world_size
+    dist.all_gather_object(totals, seen)
+    return {key: sum(t[key] for t in totals) for key in seen}
+
+
 def run_checks(rt, only: list[str] | None = None) -> dict:
     """The cases (those of `only`, all when none) and the resume, in this process group: rank 0's report."""
     out = []
@@ -73,6 +110,8 @@ def run_checks(rt, only: list[str] | None = None) -> dict:
                                                        (report["first_assignment_mismatch"] or {}).get("step"))
                                            if s] or [None])})
     report = {"verify": out}
+    if not only or "rows" in only:
+        report["rows"] = rows_against_routing(rt)
     if not only or "resume" in only:
         with tempfile.TemporaryDirectory() as tmp:
             shared = [tmp]

@@ -188,6 +188,10 @@ def test_ep_layouts_planted_faults_and_resume_at_another_ep_on_four_ranks(four_r
     # misrouting is seen as misrouting: the router's own decisions differ at step 1, the first layer named
     assert results["moe-swapped-ids"]["first_assignment_mismatch"]["layer"] == "layers.0.feed_forward"
     assert results["moe-swapped-ids"]["first_assignment_mismatch"]["step"] == 1
+    # a token travels once to each rank holding any of its experts (parallel/ep_exchange.py): the rows the
+    # ranks sent are the distinct (token, rank) pairs of their routers' choices, fewer than the routed copies
+    rows = report["rows"]
+    assert rows["rows"] == rows["pairs"] and 0 < rows["rows"] < rows["copies"], rows
     # a checkpoint saved at ep=2 resumes at ep=4 and at ep=1 (zero3) where the uninterrupted run is
     resume = report["resume"]
     for name in ("ep4_resumed", "ep1_resumed"):

@@ -64,22 +64,32 @@ def test_inter_node_all_to_all_pays_each_ranks_own_nic():
 
 
 def test_activation_checkpointing_replays_the_expert_exchange():
-    """The runtime re-runs each MoE layer's dispatch and combine when AC replays the block's forward (counted on 2
+    """The runtime re-runs each MoE layer's forward exchanges when AC replays the block's forward (counted on 2
     gloo ranks: moe_dispatch 2 -> 4 per step with --ac full; --ac selective recomputes them too), so the planner
-    prices 6 all-to-alls, not 4."""
+    prices 6 row all-to-alls, not 4, and the split counts and the copies' (row, gate) pairs twice (their gradient
+    once).
+    A token goes once to each rank holding any of its experts: r rows per token, fewer than its k copies."""
     from paratrain.gpu_catalog import get_gpu
+    from paratrain.plan.costing.expert_spread import ranks_per_token
     from paratrain.plan.costing.time import TimeEstimate, moe_all_to_all
     from paratrain.plan.inputs.hardware import profile_from_spec
 
     prof = profile_from_spec(get_gpu("h100-sxm"))
     args = get_preset("qwen3-30b-a3b")
+    r = ranks_per_token(args.n_experts, args.top_k, 8)
+    assert 5.3 < r < 5.4  # 8 distinct experts of 128 drawn at random reach 5.34 of 8 ranks
+    tokens, layers, mbs = 4096, 48, 2
+    rows, copies = tokens * r * args.dim * 2, tokens * args.top_k
+    splits = (args.n_experts + 8) * 8
     sent = {}
     for ac in ("none", "full", "selective"):
         est = TimeEstimate()
-        lay = Layout(dp_shard=8, ep=8, zero_stage=3, micro_batch=1, microbatches=2, ac=ac)
-        moe_all_to_all(prof, args, lay, 4096, "bf16", 48, est)
-        sent[ac] = est.comm_by_kind["all_to_all"]
-    assert sent["full"] == pytest.approx(sent["none"] * 6 / 4) == pytest.approx(sent["selective"])
+        lay = Layout(dp_shard=8, ep=8, zero_stage=3, micro_batch=1, microbatches=mbs, ac=ac)
+        moe_all_to_all(prof, args, lay, tokens, "bf16", layers, est)
+        sent[ac] = est.comm_by_kind["all_to_all"] / (layers * mbs)
+    assert sent["none"] == pytest.approx(4 * rows + splits + 2 * copies * 16)
+    assert sent["full"] == pytest.approx(6 * rows + 2 * splits + 3 * copies * 16)
+    assert sent["selective"] == pytest.approx(sent["full"])
 
 
 def test_the_traced_stand_in_routes_in_bf16_and_prices_no_exchange_as_compute():
@@ -114,7 +124,7 @@ def test_the_traced_stand_in_routes_in_bf16_and_prices_no_exchange_as_compute():
         assert gathers and set(gathers) == {routed_dtype}, ops.seen
         assert not any(name.startswith("constant_pad_nd") for name, _, _ in ops.seen)
         in_comm = [name for name, _, comm in ops.seen if comm]
-        assert in_comm == (["clone.default"] * 2 if ep > 1 else []), in_comm
+        assert in_comm == (["clone.default"] * 3 if ep > 1 else []), in_comm  # (row, gate) pairs, rows, sums
 
 
 def _tiny_qwen3_moe_dir(path, **shape) -> str:
@@ -177,3 +187,25 @@ def test_plan_marks_pp_with_tp_on_an_hf_dense_model_runtime_unsupported(tmp_path
     res = cli_inproc("plan", "--model", f"hf:{tmp_path}", "--gpu", "h100-sxm", "--gpus", "4", "--seq-len", "64",
                      "--global-batch", "8", "--pp", "2", "--json")
     assert all(not c["runtime_unsupported"] for c in json.loads(res.stdout)["candidates"])
+
+
+def test_ranks_a_token_reaches_by_routing():
+    """r, the rows --ep sends per token: a uniformly random top-k against a simulation of it, and AutoModel's
+    balanced benchmark gate (k consecutive experts from t*k) counted by hand."""
+    import torch
+
+    from paratrain.errors import UserError
+    from paratrain.plan.costing.expert_spread import ranks_per_token
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, k, ep in ((128, 8, 8), (256, 8, 64), (4, 2, 2)):
+        picks = torch.rand(20000, experts, generator=gen).topk(k, dim=-1).indices // (experts // ep)
+        ranks = picks.sort(-1).values
+        simulated = (1 + (ranks[:, 1:] != ranks[:, :-1]).sum(-1)).float().mean().item()
+        assert ranks_per_token(experts, k, ep) == pytest.approx(simulated, rel=0.01)
+    assert ranks_per_token(128, 8, 8, "consecutive") == 1.0  # 16 experts per rank: all 8 on one
+    assert ranks_per_token(256, 8, 64, "consecutive") == 2.0  # 4 per rank: two ranks
+    assert ranks_per_token(384, 8, 32, "consecutive") == pytest.approx(4 / 3)  # 12 per rank: 1, 2, 1, ...
+    assert ranks_per_token(128, 8, 1) == 1.0
+    with pytest.raises(UserError, match="unknown MoE routing"):
+        ranks_per_token(128, 8, 8, "sticky")

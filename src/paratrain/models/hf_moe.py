@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from paratrain.models.moe import (
-    combine,
     grouped_mm_inputs,
     grouped_mm_supported,
     local_dispatch,
@@ -113,8 +112,8 @@ def paratrain_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     compute = functools.partial(grouped_swiglu, self)
     if self.tp_mesh is not None:
         return _tp_split_forward(self, hidden_states, tokens, experts_ids, gates, compute)
-    y = self.dispatch(routed_input(hidden_states), tokens, experts_ids, compute, n_experts, k)
-    return combine(y, gates, tokens, hidden_states.shape[0], k).to(hidden_states.dtype)
+    out = self.dispatch(routed_input(hidden_states), tokens, experts_ids, gates, compute, n_experts, k)
+    return out.to(hidden_states.dtype)
 
 
 # -- --tp: the experts split over the tp ranks by expert -------------------------------------------------------
@@ -139,8 +138,7 @@ def _tp_split_forward(self, x, tokens, experts_ids, gates, compute) -> torch.Ten
     mine = (experts_ids >= first) & (experts_ids < first + local)
     x_in, gates = _grad_summed_over(x, mesh), _grad_summed_over(gates, mesh)
     tokens, ids, gates = tokens[mine], experts_ids[mine] - first, gates[mine]
-    y = local_dispatch(routed_input(x_in), tokens, ids, compute, local)
-    out = torch.zeros_like(x).index_add(0, tokens, (y * gates[:, None]).to(x.dtype))
+    out = local_dispatch(routed_input(x_in), tokens, ids, gates, compute, local).to(x.dtype)
     return _summed_over(out, mesh)
 
 

@@ -1,7 +1,8 @@
 """A Mixture-of-Experts feed-forward (router, routed experts, optional shared experts) and the decoder using it.
 
 Plain PyTorch, like llama.py. Three swap points let parallel/expert_parallel.py act from outside:
-`MoE.dispatch` (local by default; all-to-all over the expert-parallel ranks under --ep), `MoE.reduce_counts`
+`MoE.dispatch` (the routed copies to their experts and each token's gated sum back; local by default, an
+all-to-all over the expert-parallel ranks under --ep), `MoE.reduce_counts`
 (identity by default; the all-reduce that makes the load-balancing loss global over the data ranks) and
 `MoE.aux_scale` (the weight of one micro-batch's loss). Routing is dropless token choice unless the model
 sets a capacity factor.
@@ -99,25 +100,27 @@ def combine(y: torch.Tensor, gates: torch.Tensor, tokens: torch.Tensor, n_tokens
     """Each token's output: its copies' results (rows in routed order) weighted by their gates. Dropless routing
     keeps every token's k copies side by side, so this is a (1 x k) @ (k x dim) product per token: one read of
     y, no atomics; with copies dropped over capacity, an index_add."""
-    if y.shape[0] == n_tokens * top_k:
+    if top_k and y.shape[0] == n_tokens * top_k:
         return torch.bmm(gates.view(n_tokens, 1, top_k).to(y.dtype), y.view(n_tokens, top_k, -1)).view(n_tokens, -1)
     out = y.new_zeros(n_tokens, y.shape[-1], dtype=torch.promote_types(y.dtype, gates.dtype))
     return out.index_add(0, tokens, y * gates[:, None])
 
 
-def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: Experts,
-                   n_experts: int, top_k: int = 0) -> torch.Tensor:
-    """Every expert on this rank: the routed copies sorted by expert, one grouped GEMM, rows in routed order.
-    top_k: each token's copies are its k adjacent ones (dropless routing); 0 when copies were dropped."""
+def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, gates: torch.Tensor,
+                   experts: Experts, n_experts: int, top_k: int = 0) -> torch.Tensor:
+    """Every expert on this rank: the routed copies sorted by expert, one grouped GEMM, results back in routed
+    order, each token's gated sum (T, dim). Copy i is token tokens[i]'s choice of expert experts_ids[i] with
+    weight gates[i]. top_k: each token's copies are its k adjacent ones (dropless routing); 0 when copies were
+    dropped."""
     order = experts_ids.argsort(stable=True)
     inverse = inverse_permutation(order)
     y = experts(sorted_copies(x, tokens, order, inverse, top_k), expert_counts(experts_ids, n_experts))
-    return permute(y, inverse, order)
+    return combine(permute(y, inverse, order), gates, tokens, x.shape[0], top_k)
 
 
 class _AddAuxLoss(torch.autograd.Function):
-    """Passes `out` through; in backward, adds the balancing loss's gradient (weight `scale`) and applies the
-    bias update once per backward (not again when activation checkpointing replays the forward)."""
+    """Passes `out` (the gates) through; in backward, adds the balancing loss's gradient (weight `scale`) and
+    applies the bias update once per backward (not again when activation checkpointing replays the forward)."""
 
     @staticmethod
     def forward(ctx, out, aux, scale, on_backward):
@@ -168,20 +171,22 @@ class MoE(nn.Module):
         routing = self.reduce_counts(local.float())
         counts, tokens_total = routing[0], routing[0].sum()
         self.last_load = counts.detach()
-        dropless = tokens.numel() == x.shape[0] * self.top_k
-        y = self.dispatch(routed_input(x), tokens, experts_ids, self.experts, self.n_experts,
-                          self.top_k if dropless else 0)
-        out = combine(y, gates, tokens, x.shape[0], self.top_k)
-        if self.shared is not None:
-            out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
             # Switch/GShard balancing loss over the tokens of all data ranks: E * sum_i f_i * P_i, with f_i the
             # global fraction of routed copies at expert i and P_i this rank's mean score (the ranks' losses are
-            # averaged like the language-model loss, so each rank's mean stands for its share of the global mean)
+            # averaged like the language-model loss, so each rank's mean stands for its share of the global mean).
+            # It rides on the gates, a tensor made here: on the block's output, which --compile may hand over
+            # from another graph, AOT autograd replays the pass-through view outside the Function and the loss's
+            # gradient is lost
             f = counts / tokens_total.clamp(min=1)
             aux = self.aux_coeff * self.n_experts * (f * probs.mean(0)).sum()
             update = (lambda: self._update_bias(counts)) if self.bias_rate > 0 else None
-            out = _AddAuxLoss.apply(out, aux, self.aux_scale, update)
+            gates = _AddAuxLoss.apply(gates, aux, self.aux_scale, update)
+        dropless = tokens.numel() == x.shape[0] * self.top_k
+        out = self.dispatch(routed_input(x), tokens, experts_ids, gates, self.experts, self.n_experts,
+                            self.top_k if dropless else 0)
+        if self.shared is not None:
+            out = out + self.shared(x)
         return out.view(shape)
 
     @torch.compiler.disable  # which copies survive, and how many, depends on the data

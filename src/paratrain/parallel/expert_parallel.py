@@ -1,13 +1,15 @@
 """Expert parallelism (--ep): each MoE layer's experts split over ep of the data-parallel ranks, tokens sent to
-their experts and back with all_to_all_single (variable splits), expert weights FSDP-sharded over the rest.
+their experts and back with all_to_all_single (variable splits; once per rank, not per copy: ep_exchange.py),
+expert weights FSDP-sharded over the rest.
 
 An MoE layer is found by its swap points, never by its class (of models/ only routing.py is used): `dispatch`,
 `reduce_counts` and `aux_scale`. Its expert weights are its `experts` submodule (models/moe.py) or, where it has
 none, the layer itself (a transformers experts module, models/hf_moe.py: `reduce_counts` None, no balancing
 loss). `attach_moe` runs for every layout (the balancing loss counts tokens over all data ranks even without
 --ep); `apply_ep` when ep > 1. Every collective passes paratrain's door (collective_hooks.py), with purpose
-"moe_counts", "moe_splits", "moe_dispatch" and "moe_combine" (their backward halves "..._backward"), so hooks and
-the hang diagnosis see them.
+"moe_counts" here and the exchange's own (ep_exchange.py: "moe_splits", "moe_copies", "moe_gates",
+"moe_dispatch", "moe_combine", the autograd ones' backward halves "..._backward"), so hooks and the hang
+diagnosis see them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.models.routing import expert_counts, inverse_permutation, permute, sorted_copies
 from paratrain.parallel.collective_hooks import collective
+from paratrain.parallel.ep_exchange import AllToAllDispatch
 
 log = logging.getLogger("paratrain")
 
@@ -100,75 +102,6 @@ def apply_ep(model: nn.Module, ep_mesh, rest_mesh, grad_divide: int, reshard_aft
     log.info("applied expert parallelism: %d MoE layer(s), experts split %d ways, FSDP over %d", len(layers),
              ep_mesh.size(), rest_mesh.size())
     return model
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits whose backward is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, purpose):
-        ctx.splits, ctx.group, ctx.purpose = (out_splits, in_splits), group, purpose
-        return _exchange(x, out_splits, in_splits, group, purpose)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.purpose + "_backward"), None, None, None, None
-
-
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, purpose: str) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    collective(purpose, "ep", "all_to_all", group,
-               lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group), (x, out))
-    return out
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times `scale` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-class AllToAllDispatch:
-    """MoE.dispatch under --ep: this rank's routed copies to the ranks holding their experts, the local experts'
-    grouped GEMM on what arrives, the results back in the order they left."""
-
-    def __init__(self, group, ep: int, weight_grad_scale: float = 1.0):
-        self.group, self.ep, self.weight_grad_scale = group, ep, weight_grad_scale
-
-    @torch.compiler.disable  # the all-to-all's split sizes are read on the host
-    def __call__(self, x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Tensor, experts: nn.Module,
-                 n_experts: int, top_k: int = 0) -> torch.Tensor:
-        local = n_experts // self.ep
-        order = experts_ids.argsort(stable=True)
-        inverse = inverse_permutation(order)
-        send_counts = expert_counts(experts_ids, n_experts)
-        # how many copies each rank sends to each of my experts: (ep, local) after the exchange
-        recv_counts = torch.empty_like(send_counts)
-        collective("moe_splits", "ep", "all_to_all", self.group,
-                   lambda: dist.all_to_all_single(recv_counts, send_counts, group=self.group),
-                   (send_counts, recv_counts))
-        in_splits = send_counts.view(self.ep, local).sum(1).tolist()
-        out_splits = recv_counts.view(self.ep, local).sum(1).tolist()
-        received = _AllToAll.apply(sorted_copies(x, tokens, order, inverse, top_k), out_splits, in_splits,
-                                   self.group, "moe_dispatch")
-        # arrivals come by source rank, each sorted by expert: regroup them by local expert for one GEMM
-        expert_of = torch.arange(local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts)
-        regroup = expert_of.argsort(stable=True)
-        ungroup = inverse_permutation(regroup)
-        scale = self.weight_grad_scale
-        grouped = _ScaleGrad.apply(permute(received, regroup, ungroup), 1.0 / scale)  # input's gradient unscaled
-        y = _ScaleGrad.apply(experts(grouped, expert_counts(expert_of, local)), scale)
-        back = _AllToAll.apply(permute(y, ungroup, regroup), in_splits, out_splits, self.group, "moe_combine")
-        return permute(back, inverse, order)
 
 
 def forward_runs_collectives(model: nn.Module) -> bool:

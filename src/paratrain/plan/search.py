@@ -168,7 +168,8 @@ def with_time(job: Job, hw: HardwareProfile, cand: Candidate) -> Candidate:
     if cand.time is None:
         lay = cand.layout
         cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type,
-                                  async_tp=job.async_tp, dist_optimizer=job.dist_optimizer)
+                                  async_tp=job.async_tp, dist_optimizer=job.dist_optimizer,
+                                  moe_routing=job.moe_routing)
         tokens = job.global_batch * job.seq_len
         cand.tokens_per_s_per_device = tokens / cand.time.step_s / lay.world
         peak = hw.gpu.peak_tflops.get(job.dtype)

@@ -33,6 +33,7 @@ from paratrain.models.args import ModelArgs
 from paratrain.parallel.layout import Layout
 from paratrain.plan.costing.collectives import collective_time, members_per_node, wire_bytes
 from paratrain.plan.costing.compose import Composed, trace
+from paratrain.plan.costing.expert_spread import ranks_per_token
 from paratrain.plan.costing.memory import stage_layout, trace_key
 from paratrain.plan.inputs.hardware import HardwareProfile
 
@@ -337,24 +338,34 @@ def ep_placement(layout: Layout, gpus_per_node: int) -> tuple[str, int]:
 
 
 def moe_all_to_all(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
-                   layers: int, est: TimeEstimate | None = None) -> float:
-    """Seconds per micro-batch of --ep's token exchange on `layers` MoE blocks, balanced routing: each layer
-    sends its T*k routed copies (of dim values) to their experts and gets them back, forward and backward (4
-    all-to-alls), plus the split counts. Activation checkpointing (full or selective) replays the block's forward
-    in the backward, exchanges included (they are autograd functions around all_to_all_single, which no AC policy
-    saves): 2 more all-to-alls and the counts again. Not overlapped with compute (as torchtitan runs it)."""
+                   layers: int, est: TimeEstimate | None = None, routing: str = "random") -> float:
+    """Seconds per micro-batch of --ep's token exchange on `layers` MoE blocks, balanced routing
+    (parallel/ep_exchange.py): each layer sends each token once to every rank holding any of its k experts
+    (r ranks per token: expert_spread.py, by `routing`) and gets one gated sum per (token, rank) back, forward
+    and backward (4 all-to-alls of T*r rows of dim values); each copy's row number and gate go along (T*k x 2
+    fp64, their gradients back in backward), after the split counts. Activation checkpointing (full or
+    selective) replays the block's forward in the backward, exchanges included (they are autograd functions
+    around all_to_all_single, which no AC policy saves): the forward's exchanges again. Not overlapped with
+    compute (as torchtitan runs it)."""
     if layout.ep <= 1 or not args.moe or layers <= 0:
         return 0.0
     tokens = layout.micro_batch * seq_len // layout.cp
-    payload = tokens * args.top_k * args.dim * ACTIVATION_BYTES.get(dtype, 4)
+    rows = tokens * ranks_per_token(args.n_experts, args.top_k, layout.ep, routing)
+    payload = rows * args.dim * ACTIVATION_BYTES.get(dtype, 4)
     where, rails = ep_placement(layout, profile.gpu.gpus_per_node)
     one = collective_time(profile, "all_to_all", payload, layout.ep, where, rails)
-    counts = collective_time(profile, "all_to_all", args.n_experts * 8, layout.ep, where, rails)
+    copies = tokens * args.top_k
     forwards = 2 if layout.ac != "none" else 1
     exchanges = 2 * forwards + 2
+    # (bytes, calls per micro-batch and layer): the split counts each forward, the routing also in backward
+    small = [((args.n_experts + layout.ep) * 8, forwards), (copies * 16, forwards + 1)]
     if est is not None:
         est.add_comm("all_to_all", payload, layout.ep, exchanges * layers * layout.microbatches)
-    return layers * (exchanges * one + forwards * counts)
+        for nbytes, calls in small:
+            est.add_comm("all_to_all", nbytes, layout.ep, calls * layers * layout.microbatches)
+    metadata = sum(calls * collective_time(profile, "all_to_all", nbytes, layout.ep, where, rails)
+                   for nbytes, calls in small)
+    return layers * (exchanges * one + metadata)
 
 
 def moe_layers_on(args: ModelArgs, layers: int) -> int:
@@ -373,9 +384,11 @@ def expert_comm_share(args: ModelArgs, layout: Layout) -> float:
 
 
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
-                  device_type: str, async_tp: bool = False, dist_optimizer: bool = False) -> TimeEstimate:
+                  device_type: str, async_tp: bool = False, dist_optimizer: bool = False,
+                  moe_routing: str = "random") -> TimeEstimate:
     """async_tp: TP collectives overlapped with the matmuls (torch's micro-pipelined TP, which needs compile and
-    SP; ignored otherwise). dist_optimizer: a ZeRO-1 layout runs as a distributed optimizer (see the top)."""
+    SP; ignored otherwise). dist_optimizer: a ZeRO-1 layout runs as a distributed optimizer (see the top).
+    moe_routing: which experts a token's k choices are, for --ep's exchange (expert_spread.py)."""
     est = TimeEstimate()
     overlapped_tp = async_tp and layout.compile and layout.sp and layout.tp > 1
     m = layout.microbatches
@@ -391,7 +404,8 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
             chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
         dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est, dist_optimizer)
         dp_exposed *= expert_comm_share(args, layout)
-        ep_comm = m * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, args.n_layers), est)
+        ep_comm = m * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, args.n_layers), est,
+                                 moe_routing)
         est.compute_s = m * per_mb + opt
         est.comm_exposed_s = m * (chunk.tp_exposed + cp_exposed) + dp_exposed + ep_comm
         est.step_s = est.compute_s + est.comm_exposed_s
@@ -435,7 +449,8 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer)
     dp_exposed *= expert_comm_share(args, layout)
     per_part = math.ceil(args.n_layers / (layout.pp * layout.virtual_stages)) * layout.virtual_stages
-    ep_comm = busy * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, per_part), est)
+    ep_comm = busy * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, per_part), est,
+                                    moe_routing)
     compute = sum(c.fwd + c.bwd for c in ranks[slowest])
     est.compute_s = busy * compute + opt
     est.bubble_s = bubble * others

@@ -22,7 +22,7 @@ _TRACED_MODULES = ("paratrain.models", "paratrain.plan.tracing.local_model", "pa
                    "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.ring_attention",
                    "paratrain.parallel.ulysses", "paratrain.parallel.cp_comm",
                    "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim",
-                   "paratrain.plan.tracing.moe_trace")
+                   "paratrain.plan.tracing.moe_trace", "paratrain.plan.costing.expert_spread")
 
 
 def cache_dir() -> Path:
