@@ -80,3 +80,31 @@ def check_bench_html(doc, tmp_path):
     assert doc["prediction_calibrated"] is ("placeholder" not in doc["prediction_hardware"])
     if not doc["prediction_calibrated"]:
         assert "UNCALIBRATED" in text
+
+
+@pytest.mark.timeout(300)
+def test_bench_ep_measures_the_exchange_the_planner_prices(cli_here):
+    """`bench --strategies ep` on an MoE model: the bytes each collective kind moved, counted at the process-group
+    level, against the planner's for the same layout. FSDP gathers and reduce-scatters only the dense part over
+    dp_shard (each rank's half of the experts has no FSDP peer at ep = dp_shard = 2); the exchange sends a token
+    once per rank its experts reach (the planner's r for a random top-2 of 4: 1.67 rows per token)."""
+    res = cli_here("bench", "--model", "moe-tiny", "--strategies", "ep", "--nproc", "2", "--steps", "2",
+                   "--warmup", "2", "--seq-len", "32", "--micro-batch", "4", "--timeout-s", "120", "--json",
+                   timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = res.json()["runs"]
+    assert (run["layout"]["ep"], run["layout"]["dp_shard"]) == (2, 2)
+    measured = run["comm_bytes_by_op"]
+    from paratrain.models.presets import get_preset
+    from paratrain.parallel.layout import Layout
+    from paratrain.plan.auto import auto_hardware
+    from paratrain.plan.costing.time import estimate_time
+
+    layout = Layout.from_dict(run["layout"])
+    predicted = estimate_time(auto_hardware("cpu")[0], get_preset("moe-tiny"), layout, 32, "fp32", "cpu").comm_by_kind
+    assert set(measured) - {"all_reduce"} == set(predicted), (measured, predicted)  # all_reduce: the counts
+    for kind in ("all_gather", "reduce_scatter"):
+        assert measured[kind] == pytest.approx(predicted[kind], rel=1e-3), kind
+    # the router's own choices against the planner's random ones: within 5%
+    assert measured["all_to_all"] == pytest.approx(predicted["all_to_all"], rel=0.05)
+    assert run["predicted_comm_bytes_per_step"] == pytest.approx(run["comm_bytes_per_step"], rel=0.05)

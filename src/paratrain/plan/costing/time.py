@@ -220,9 +220,27 @@ def distributed_optimizer_comm(profile: HardwareProfile, layout: Layout, grads: 
     return exposed
 
 
+def fsdp_meshes(layout: Layout, params: float, grads: float, expert_share: float, gpn: int) -> list[tuple]:
+    """(group size, placement, rails, parameter bytes, gradient bytes) of each FSDP mesh one rank takes part in.
+    Under --ep a rank holds 1/ep of the experts (`expert_share` of the parameters), sharded over the other data
+    ranks of its ep group's stride (dp_shard x cp / ep; not at all when that is 1: parallel/expert_parallel.py);
+    the rest of the model over all of dp_shard x cp."""
+    group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    n, where, rails = layout.group_size(group), layout.placement(group, gpn), members_per_node(layout, group, gpn)
+    if layout.ep <= 1 or expert_share <= 0:
+        return [(n, where, rails, params, grads)]
+    experts = params * expert_share  # the trace holds every expert's bytes, fp32 (moe_trace.split_experts)
+    meshes = [(n, where, rails, params - experts, params - experts)]
+    if n // layout.ep > 1:
+        mine = experts / layout.ep
+        meshes.append((n // layout.ep, where, max(1, rails // layout.ep), mine, mine))
+    return meshes
+
+
 def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[ChunkTime], dtype: str,
-                       est: TimeEstimate, dist_optimizer: bool = False) -> float:
-    """Exposed seconds of the data-parallel collectives of one step on one rank."""
+                       est: TimeEstimate, dist_optimizer: bool = False, expert_share: float = 0.0) -> float:
+    """Exposed seconds of the data-parallel collectives of one step on one rank (`expert_share`: the experts'
+    fraction of the parameters, for --ep)."""
     gpn, m = profile.gpu.gpus_per_node, layout.microbatches
     grads = sum(c.tr.scalar("grads", c.layers) for c in chunks)  # local fp32 gradient bytes (unsharded)
     params = sum(c.tr.scalar("params", c.layers) for c in chunks)
@@ -230,26 +248,33 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
     bwd = sum(c.bwd for c in chunks)
     overlap = profile.overlap
     if layout.fsdp:
-        group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
-        n, where, rails = layout.group_size(group), layout.placement(group, gpn), members_per_node(layout, group, gpn)
-        gathered = params / 2 if dtype in ("bf16", "fp8") else params  # the mixed-precision parameter dtype
+        meshes = fsdp_meshes(layout, params, grads, expert_share, gpn)
+        n = meshes[0][0]
+        low = dtype in ("bf16", "fp8")  # the mixed-precision parameter dtype
         blocks = max(sum(c.layers for c in chunks), 1)
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
                               for c in chunks)  # each block, the embedding and the head are gathered alone
         # one collective per group: the total bytes, and a latency per call
         gathers = m * (2 if layout.zero_stage == 3 else 1)  # ZeRO-3 gathers again for the backward
-        est.add_comm("all_gather", gathered, n, gathers)
-        est.add_comm("reduce_scatter", grads, n)
-        measured = fsdp_group_costs(profile, n, where)
-        if measured is not None:
-            gather, bwd_gather, reduce_scatter = measured
-            exposed = m * groups * gather(gathered / groups) + groups * reduce_scatter(grads / groups)
-            if layout.zero_stage == 3:
-                exposed += m * groups * bwd_gather(gathered / groups)
+        for size, _, _, p, g in meshes:
+            est.add_comm("all_gather", p / 2 if low else p, size, gathers)
+            est.add_comm("reduce_scatter", g, size)
+        gathered = sum(p for *_, p, _ in meshes) / (2 if low else 1)
+        grads = sum(g for *_, g in meshes)
+        measured = [fsdp_group_costs(profile, size, where) for size, where, *_ in meshes]
+        if all(c is not None for c in measured):
+            exposed = 0.0
+            for (gather, bwd_gather, reduce_scatter), (*_, p, g) in zip(measured, meshes):
+                p = p / 2 if low else p
+                exposed += m * groups * gather(p / groups) + groups * reduce_scatter(g / groups)
+                if layout.zero_stage == 3:
+                    exposed += m * groups * bwd_gather(p / groups)
             return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
-        ag_first = collective_time(profile, "all_gather", gathered / groups, n, where, rails)
+        ag_first = sum(collective_time(profile, "all_gather", (p / 2 if low else p) / groups, size, where, rails)
+                       for size, where, rails, p, _ in meshes)
         ag = ag_first * groups
-        rs = collective_time(profile, "reduce_scatter", grads / groups, n, where, rails) * groups
+        rs = sum(collective_time(profile, "reduce_scatter", g / groups, size, where, rails)
+                 for size, where, rails, _, g in meshes) * groups
         exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
         if layout.zero_stage == 3:
             exposed += m * max(0.0, ag - overlap * bwd)
@@ -373,14 +398,13 @@ def moe_layers_on(args: ModelArgs, layers: int) -> int:
     return max(0, layers - args.n_dense_layers) if args.moe else 0
 
 
-def expert_comm_share(args: ModelArgs, layout: Layout) -> float:
-    """The fraction of FSDP's traffic left under --ep: each rank gathers and reduces 1/ep of the experts."""
-    if layout.ep <= 1 or not args.moe:
-        return 1.0
+def expert_param_share(args: ModelArgs) -> float:
+    """The experts' fraction of the model's parameters (0 for a dense model)."""
+    if not args.moe:
+        return 0.0
     from paratrain.models.presets import count_params, expert_params
 
-    experts = expert_params(args) / count_params(args)
-    return 1.0 - experts * (1.0 - 1.0 / layout.ep)
+    return expert_params(args) / count_params(args)
 
 
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
@@ -402,8 +426,8 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
                                        if layout.cp_impl == "ring" else chunk.cp_comm)
         opt = chunk.opt / layout.shard_degree if layout.fsdp else (
             chunk.opt / layout.dp if layout.zero_stage == 1 else chunk.opt)
-        dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est, dist_optimizer)
-        dp_exposed *= expert_comm_share(args, layout)
+        dp_exposed = data_parallel_comm(profile, layout, [chunk], dtype, est, dist_optimizer,
+                                        expert_param_share(args))
         ep_comm = m * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, args.n_layers), est,
                                  moe_routing)
         est.compute_s = m * per_mb + opt
@@ -446,8 +470,8 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     slowest, others = slowest_and_others(per_rank)
     opt = max(sum(c.opt for c in cs) for cs in ranks.values())
     opt = opt / layout.shard_degree if layout.fsdp else (opt / layout.dp if layout.zero_stage == 1 else opt)
-    dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer)
-    dp_exposed *= expert_comm_share(args, layout)
+    dp_exposed = data_parallel_comm(profile, layout, ranks[slowest], dtype, est, dist_optimizer,
+                                    expert_param_share(args))
     per_part = math.ceil(args.n_layers / (layout.pp * layout.virtual_stages)) * layout.virtual_stages
     ep_comm = busy * moe_all_to_all(profile, args, layout, seq_len, dtype, moe_layers_on(args, per_part), est,
                                     moe_routing)
