@@ -127,9 +127,9 @@ def markdown(doc: dict) -> str:
     s = doc["suite"]
     lines = [f"# GPU suite: {s['device']} ({s['state']})", "",
              f"torch {s['torch']}, torchao {s['torchao'] or 'absent'}, paratrain {s['paratrain']}; "
-             f"{'DRY RUN on CPU (tiny models: the numbers mean nothing)' if s['dry_run'] else 'seq 1024'}; "
+             f"{'DRY RUN on CPU (tiny models: the numbers mean nothing); ' if s['dry_run'] else ''}"
              f"{s['elapsed_s']:.0f} s of a {s['budget_s']:.0f} s budget; prewarm {s.get('prewarm') or '-'}", "",
-             "| run | dtype | mode | mb | tokens/s | ms/step | MFU | peak GiB | plain tokens/s | plain MFU | "
+             "| run | dtype | mode | mb x seq | tokens/s | ms/step | MFU | peak GiB | plain tokens/s | plain MFU | "
              "paratrain / plain | pred. ms (catalog) | pred. ms (calibrated) | calibrated pred. / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["rows"]:
@@ -138,7 +138,7 @@ def markdown(doc: dict) -> str:
         r, plain = e["result"], rows.get(e.get("pair") or "", {}).get("result") or {}
         cat, cal = e.get("predicted_catalog") or {}, e.get("predicted_calibrated") or {}
         ratio = r["tokens_per_s"] / plain["tokens_per_s"] if plain.get("tokens_per_s") else None
-        lines.append(f"| {e['model']} | {e['dtype']} | {e['mode']} | {e['micro_batch']} "
+        lines.append(f"| {e['model']} | {e['dtype']} | {e['mode']} | {e['micro_batch']} x {e.get('seq_len', '?')} "
                      f"| {_f(r['tokens_per_s'], 1, ',.0f')} | {_f(r['step_time_s'], 1e3)} | {_pct(r['mfu'])} "
                      f"| {_f(r['peak_mem_gib'], 1, '.2f')} | {_f(plain.get('tokens_per_s'), 1, ',.0f')} "
                      f"| {_pct(plain.get('mfu'))} | {_f(ratio, 1, '.3f')} "

@@ -64,7 +64,7 @@ def test_dry_run_measures_the_cpu_rows_and_skips_the_gpu_rows(tmp_path):
         assert rows[rid]["skipped"].startswith("needs CUDA"), rows[rid]
         assert f"- {rid}: needs CUDA" in table
     assert rows["calibrate"]["skipped"].startswith("profile given")
-    assert "| gpt2-124m | bf16 | compile | 16 |" in table and "PASSED" in table
+    assert "| gpt2-124m | bf16 | compile | 16 x 1024 |" in table and "PASSED" in table
 
 
 @pytest.mark.timeout(200)
