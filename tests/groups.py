@@ -40,7 +40,9 @@ VERIFY = {
         *[{"id": f"gpt2-{s}", "strategy": s, "model": "gpt2-tiny", "steps": 3} for s in GPT2_TIED],
         *[{**case, "model": "gpt2-tiny", "steps": 3} for case in GPT2_TIED_PP],
         # MoE: experts split over both ranks, tokens through the all-to-all (tests/moe/; 4 ranks: moe_worker.py)
-        {"id": "moe-ep2", "strategy": "ep", "model": "moe-tiny", "steps": 3}],
+        {"id": "moe-ep2", "strategy": "ep", "model": "moe-tiny", "steps": 3},
+        # with a capacity factor of 0.5: at least half the copies dropped, per sequence (docs/moe.md)
+        {"id": "moe-ep2-capacity", "strategy": "ep", "model": "moe-tiny", "steps": 3, "moe_capacity_factor": 0.5}],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},

@@ -98,6 +98,9 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
     ("eval_every", Optional[int], _opt(None, "--eval-every", help="validate every N steps (and after the last)")),
     ("val_batches", Optional[int], _opt(None, "--val-batches", help="global batches per validation (default 4)")),
     ("vocab_size", Optional[int], _opt(None, "--vocab-size", help="override the preset's vocabulary (fit a tokenizer)")),
+    ("moe_capacity_factor", Optional[float], _opt(None, "--moe-capacity-factor",
+                                                  help="MoE presets: each expert keeps at most F x seq x top-k / experts "
+                                                       "routed copies per sequence, the rest dropped (0: dropless)")),
     ("init_from", Optional[str], _opt(None, "--init-from", help="start from a Hugging Face directory's weights")),
     ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
     ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),

@@ -58,6 +58,9 @@ class _RunFields(BaseModel):
     dim: int | None = Field(None, ge=2)
     n_layers: int | None = Field(None, ge=1)
     ffn_dim: int | None = Field(None, ge=1)
+    # an MoE preset's capacity factor (None: the preset's, dropless): each expert keeps at most factor x S x k / E
+    # routed copies of each sequence of S tokens, the rest dropped (docs/moe.md)
+    moe_capacity_factor: float | None = Field(None, ge=0, le=64)
     data: str = "synthetic"
     # document data (docs/data.md): a local tokenizer.json, the text column, packing into rows (or one per row)
     tokenizer: str | None = None

@@ -110,6 +110,18 @@ def test_capacity_factor_drops_overflow_and_bias_update_balances():
     assert bias[0] < 0 and (bias[1:] > 0).all()  # the overloaded expert is pushed down, the idle ones up
 
 
+def test_capacity_is_per_sequence_so_drops_do_not_depend_on_the_batch():
+    """A sequence's drops are its own: run alone or next to another sequence (as a data rank or a single device
+    batches it), its output is the same. At factor 0.5 at most half the copies fit, so drops are certain."""
+    moe = random_moe(capacity_factor=0.5).eval()
+    x = torch.randn(2, 16, 16)
+    together = moe(x)
+    dropped_together = moe.last_dropped
+    alone = torch.cat([moe(x[:1]), moe(x[1:])])
+    assert dropped_together >= 2 * 16 * 2 // 2  # factor 0.5: at least half of the 64 copies
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
 def test_aux_loss_reaches_router_gradient():
     args = ModelArgs(dim=8, n_experts=4, top_k=2, moe_ffn_dim=8, aux_loss_coeff=1.0)
     grads = []
@@ -172,6 +184,16 @@ def test_ep_is_one_registered_dimension_that_adds_no_ranks():
 def test_ep2_on_two_ranks_matches_one_device(two_ranks):
     report = verified(two_ranks, "moe-ep2")
     assert report["passed"] and report["dims"]["ep"] == 2 and report["dims"]["dp_shard"] == 2, report
+    # with a capacity factor (per sequence: each rank drops what one device drops for its sequences)
+    report = verified(two_ranks, "moe-ep2-capacity")
+    assert report["passed"] and report["expert_assignments_match"] is True, report
+
+
+def test_capacity_factor_is_refused_where_it_cannot_apply(cli_inproc):
+    for args, words in ((("--model", "tiny"), "needs a Mixture-of-Experts model"),
+                        (("--model", "moe-tiny", "--strategy", "cp-ring"), "with --cp is not supported")):
+        res = cli_inproc("train", *args, "--moe-capacity-factor", "1.0", "--nproc", "2", "--steps", "1")
+        assert res.returncode == 2 and words in res.stderr, res.stderr
 
 
 @pytest.mark.timeout(500)

@@ -33,7 +33,7 @@ class ModelArgs:
     norm_topk: bool = True  # renormalise the k chosen gates to sum to 1
     aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / GShard), over the tokens of all data ranks
     bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): router bias step per update
-    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor x T x k / E tokens
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most factor x S x k / E copies per sequence
 
     @property
     def moe(self) -> bool:

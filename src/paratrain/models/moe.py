@@ -10,6 +10,8 @@ sets a capacity factor.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -160,8 +162,9 @@ class MoE(nn.Module):
         gates, ids, probs = self.router(x)
         tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
         experts_ids, gates = ids.flatten(), gates.flatten()
-        if self.capacity_factor > 0:
-            tokens, experts_ids, gates = self._drop_over_capacity(tokens, experts_ids, gates, x.shape[0])
+        if self.capacity_factor > 0:  # a (batch, seq, dim) input: capacity per sequence; (tokens, dim): one sequence
+            seq_len = shape[-2] if len(shape) == 3 else x.shape[0]
+            tokens, experts_ids, gates = self._drop_over_capacity(tokens, experts_ids, gates, seq_len)
         # the routing fingerprint verify compares: per expert, its token count and the sum of its tokens'
         # first feature (a misrouted token changes both); reduce_counts sums them over the data ranks
         local = torch.stack([expert_counts(experts_ids, self.n_experts).to(x.dtype),
@@ -190,15 +193,19 @@ class MoE(nn.Module):
         return out.view(shape)
 
     @torch.compiler.disable  # which copies survive, and how many, depends on the data
-    def _drop_over_capacity(self, tokens, experts_ids, gates, n_tokens: int):
-        """Keep each expert's first `capacity` copies in token order (a capacity factor is not dropless)."""
-        capacity = max(1, int(self.capacity_factor * n_tokens * self.top_k / self.n_experts + 0.999999))
-        order = experts_ids.argsort(stable=True)
-        counts = torch.bincount(experts_ids, minlength=self.n_experts)
+    def _drop_over_capacity(self, tokens, experts_ids, gates, seq_len: int):
+        """Keep, per sequence and expert, the first `capacity = ceil(factor x S x k / E)` copies in token order (a
+        capacity factor is not dropless). Per sequence, not per micro-batch: which copies drop depends on the
+        sequence alone, so every layout that keeps sequences whole (dp, ep, tp, pp, gradient accumulation)
+        drops the ones one device drops, and verify compares like with like."""
+        capacity = max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts - 1e-9))
+        group = torch.div(tokens, seq_len, rounding_mode="floor") * self.n_experts + experts_ids
+        order = group.argsort(stable=True)  # by (sequence, expert), token order kept within
+        counts = torch.bincount(group)
         starts = torch.cumsum(counts, 0) - counts
-        rank_in_expert = torch.empty_like(order)
-        rank_in_expert[order] = torch.arange(order.numel(), device=order.device) - starts[experts_ids[order]]
-        keep = rank_in_expert < capacity
+        rank_in_group = torch.empty_like(order)
+        rank_in_group[order] = torch.arange(order.numel(), device=order.device) - starts[group[order]]
+        keep = rank_in_group < capacity
         self.last_dropped = int((~keep).sum())
         return tokens[keep], experts_ids[keep], gates[keep]
 

@@ -88,8 +88,17 @@ def model_args_for(cfg) -> ModelArgs:
             given = "--vocab-size or the --config TOML" if key == "vocab_size" else "the --config TOML"
             raise UserError(f"--model {cfg.model} takes its shape from its config.json; edit that instead of "
                             f"setting {key} in {given}")
+        if getattr(cfg, "moe_capacity_factor", None):
+            raise UserError(f"--moe-capacity-factor applies to paratrain's MoE presets; --model {cfg.model} routes "
+                            "with transformers' own router, dropless")
         return hf_model_args(cfg.model, cfg.seq_len)
     args = get_preset(cfg.model)
+    capacity = getattr(cfg, "moe_capacity_factor", None)
+    if capacity is not None:
+        if not args.moe:
+            raise UserError(f"--moe-capacity-factor needs a Mixture-of-Experts model (e.g. --model moe-tiny); "
+                            f"{args.name} has no experts")
+        args = dataclasses.replace(args, capacity_factor=float(capacity))
     if shape:
         args = dataclasses.replace(args, name=f"{args.name}-custom", **shape)
         if args.dim % args.n_heads or args.head_dim % 2:

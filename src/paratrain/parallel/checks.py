@@ -18,6 +18,9 @@ def check_layout(layout: Layout, args, seq_len: int, global_batch: int, device_t
     for dim in all_dims():
         if dim.check and getattr(layout, dim.name) > 1:
             resolve(dim.check)(args, layout, seq_len)
+    if getattr(args, "capacity_factor", 0) > 0 and layout.cp > 1:
+        raise UserError("an MoE capacity factor with --cp is not supported: capacity is counted per sequence, and "
+                        "each cp rank holds part of one; train dropless (no --moe-capacity-factor) or without --cp")
     if layout.dp_micro_batches:
         check_uneven_dp(layout, global_batch)
     elif global_batch % layout.dp:
