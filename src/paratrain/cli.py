@@ -6,6 +6,7 @@ Bad input: one line on stderr, exit 2. A failed check: exit 1.
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import json
@@ -624,6 +625,16 @@ def _exit_without_teardown() -> None:
     os._exit(0)
 
 
+# a path the user gave that the OS refuses to look up or open (a name too long, missing, not a directory, ...): bad
+# input, one line and exit 2, from whichever file check met it first
+PATH_ERRNOS = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ELOOP}
+
+
+def _short_path(name) -> str:
+    name = os.fsdecode(name) if isinstance(name, bytes) else str(name)
+    return name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+
+
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
@@ -640,6 +651,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    except OSError as exc:
+        if exc.filename is None or exc.errno not in PATH_ERRNOS:
+            raise
+        sys.stderr.write(f"error: {_short_path(exc.filename)}: {exc.strerror}\n")
+        sys.exit(2)
     except Exception as exc:
         # click/typer usage errors (vendored or not) carry format_message() and exit_code
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):

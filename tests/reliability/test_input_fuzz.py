@@ -177,6 +177,9 @@ def test_fuzz_cli_flags(tmp_path):
     @example(case=([*base, "--vocab-size", str(2**63)], None))  # found by this fuzz: torch's size overflow escaped
     @example(case=([*base, "--vocab-size", str(2**64)], None))
     @example(case=([*base, "--seq-len", str(10**11)], None))
+    # found by this fuzz: a path too long for the OS escaped as OSError from the first file check that met it
+    @example(case=(["launch", "slurm", "--val-data", "x" * 300, "--nodes", "2", "-o", "job.txt"], None))
+    @example(case=([*base, "--data", "x" * 300], None))
     def run(case):
         argv, _ = case
         work = Path(tempfile.mkdtemp(dir=tmp_path))
