@@ -104,9 +104,11 @@ class AllToAllDispatch:
         received = _AllToAll.apply(x.index_select(0, row_token), rows_in_n, rows_out_n, self.group, "moe_dispatch")
         # arrivals come by source rank (each source's copies by local expert): rows numbered across sources, then
         # every copy regrouped by local expert for one GEMM
-        source = torch.repeat_interleave(torch.arange(ep, device=x.device), copies_in.sum(1))
+        arrivals = sum(copies_in_n)  # given, so that the two repeats below need no second host read on a GPU
+        source = torch.repeat_interleave(torch.arange(ep, device=x.device), copies_in.sum(1), output_size=arrivals)
         arrived_row = arrived_row + (torch.cumsum(rows_in, 0) - rows_in)[source]
-        expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(copies_in.reshape(-1))
+        expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(copies_in.reshape(-1),
+                                                                                      output_size=arrivals)
         regroup = expert_of.argsort(stable=True)
         ungroup = inverse_permutation(regroup)
         scale = self.weight_grad_scale
