@@ -248,29 +248,29 @@ def data_parallel_comm(profile: HardwareProfile, layout: Layout, chunks: list[Ch
     bwd = sum(c.bwd for c in chunks)
     overlap = profile.overlap
     if layout.fsdp:
-        meshes = fsdp_meshes(layout, params, grads, expert_share, gpn)
+        half = 2 if dtype in ("bf16", "fp8") else 1  # the mixed-precision parameter dtype: bytes gathered
+        meshes = [(size, where, rails, p / half, g)
+                  for size, where, rails, p, g in fsdp_meshes(layout, params, grads, expert_share, gpn)]
         n = meshes[0][0]
-        low = dtype in ("bf16", "fp8")  # the mixed-precision parameter dtype
         blocks = max(sum(c.layers for c in chunks), 1)
         groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
                               for c in chunks)  # each block, the embedding and the head are gathered alone
         # one collective per group: the total bytes, and a latency per call
         gathers = m * (2 if layout.zero_stage == 3 else 1)  # ZeRO-3 gathers again for the backward
         for size, _, _, p, g in meshes:
-            est.add_comm("all_gather", p / 2 if low else p, size, gathers)
+            est.add_comm("all_gather", p, size, gathers)
             est.add_comm("reduce_scatter", g, size)
-        gathered = sum(p for *_, p, _ in meshes) / (2 if low else 1)
+        gathered = sum(p for *_, p, _ in meshes)
         grads = sum(g for *_, g in meshes)
         measured = [fsdp_group_costs(profile, size, where) for size, where, *_ in meshes]
         if all(c is not None for c in measured):
             exposed = 0.0
             for (gather, bwd_gather, reduce_scatter), (*_, p, g) in zip(measured, meshes):
-                p = p / 2 if low else p
                 exposed += m * groups * gather(p / groups) + groups * reduce_scatter(g / groups)
                 if layout.zero_stage == 3:
                     exposed += m * groups * bwd_gather(p / groups)
             return exposed + hsdp_all_reduce(profile, layout, grads / n, est)
-        ag_first = sum(collective_time(profile, "all_gather", (p / 2 if low else p) / groups, size, where, rails)
+        ag_first = sum(collective_time(profile, "all_gather", p / groups, size, where, rails)
                        for size, where, rails, p, _ in meshes)
         ag = ag_first * groups
         rs = sum(collective_time(profile, "reduce_scatter", g / groups, size, where, rails)
