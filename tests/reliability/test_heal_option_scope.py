@@ -19,3 +19,15 @@ def test_launch_without_heal_replicas_still_renders(cli_inproc):
     r = cli_inproc("launch", "slurm", "--model", "tiny", "--nproc", "2", "--no-heal-replicas")
     assert r.returncode in (0, None), r.stderr
     assert "paratrain" in r.stdout and "#SBATCH" in r.stdout
+
+
+def test_heal_replicas_refuses_degrees_once_before_any_replica_starts(cli_inproc, tmp_path):
+    """Each replica is one process of world size 1, so --dp-replicate 3 cannot describe the replicas: `train`
+    refuses it itself, in one line that gives the form that works, and no replica (nor run directory) is made."""
+    r = cli_inproc("train", "--heal-replicas", "--dp-replicate", "3", "--nproc", "3", "--global-batch", "12",
+                   "--out", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --heal-replicas runs whole-model replicas, one device each, and takes no parallel degree "
+        "(got --dp-replicate 3): ask for 3 replicas with --strategy ddp --nproc 3"]
+    assert not (tmp_path / "run").exists()

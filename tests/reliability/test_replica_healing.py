@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,6 +44,13 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
     summary = run.json()
     assert summary["steps"] == STEPS and summary["replica_restarts"] == 1
     assert summary["replicas_finished"] == [0, 1, 2]
+    # the run's summary and its first line describe the whole run (3 replicas), not replica 0's world of 1
+    assert summary["world_size"] == REPLICAS and summary["dims"]["dp_replicate"] == REPLICAS
+    assert summary["layout"]["micro_batch"] == GLOBAL_BATCH // REPLICAS
+    assert run.stderr.splitlines()[0].startswith("paratrain: training tiny (")
+    assert f"with ddp [{REPLICAS} replicas, --heal-replicas] on {REPLICAS} x cpu" in run.stderr.splitlines()[0]
+    # torchft's checkpoint server (it served the heal) writes no access-log line to the user's terminal
+    assert "HTTP/1." not in run.stderr + run.stdout and "GET /checkpoint" not in run.stderr
     # no checkpoint anywhere: the replacement's state can only have come from a peer
     assert not list(tmp_path.rglob("checkpoints")) and not list(tmp_path.rglob("step-*"))
 
@@ -77,6 +86,10 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
         assert set(range(KILL_AFTER + 1, rejoined)) <= short, (name, s["short_steps"])
     assert summaries["summary-r1-a1.json"]["healed_at"]["step"] == rejoined - 1
     assert summaries["summary-r1-a1.json"]["healed_at"]["from_replica"] in (0, 2)
+    # the run's own summary lists the heal: which replica (its second process), at which step, from whom
+    healed_from = summaries["summary-r1-a1.json"]["healed_at"]["from_replica"]
+    assert summary["healed_at"] == [{"replica": KILLED, "attempt": 1, "step": rejoined - 1,
+                                     "from_replica": healed_from}]
 
     # the end: parameters and optimizer states bit-identical across the 3 replicas
     states = {p.name: torch.load(p, weights_only=True) for p in marks.glob("state-*.pt")}
@@ -137,9 +150,46 @@ def test_identical_state_check_fails_when_the_joiner_skips_the_optimizer_state()
     assert any(path.startswith("/model") for path in found), found
 
 
+class _RunsCode:
+    """A payload that, unpickled without weights_only, touches `marker`: what a hostile peer could send."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # copied in on load (replica_worker.py)
+def test_a_peer_state_arrives_weights_only_and_serving_it_logs_nothing(tmp_path, capfd):
+    """Reference: the state a live replica sends (replica_state) arrives bit-identical over the transport a healing
+    replica uses; a payload that would run code on unpickling is refused and does not run; torchft's checkpoint
+    server writes no access-log line to the terminal."""
+    from paratrain.train.replica_transport import peer_checkpoint_transport
+
+    timeout = timedelta(seconds=30)
+    peer, joiner = peer_checkpoint_transport(timeout), peer_checkpoint_transport(timeout)
+    marker = tmp_path / "ran"
+    try:
+        state = replica_state(_replica())
+        peer.send_checkpoint([1], 3, state, timeout)
+        assert state_differences(state, joiner.recv_checkpoint(0, peer.metadata(), 3, timeout)) == []
+        peer.send_checkpoint([1], 4, {"model": _RunsCode(marker)}, timeout)
+        with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+            joiner.recv_checkpoint(0, peer.metadata(), 4, timeout)
+    finally:
+        peer.shutdown()
+        joiner.shutdown()
+    assert not marker.exists()
+    captured = capfd.readouterr()
+    assert "/checkpoint/" not in captured.err + captured.out, captured.err
+
+
 def test_heal_replicas_refuses_what_it_cannot_heal():
     """One UserError line each (the CLI prints it and exits 2): a sharded strategy, one replica, a comm hook."""
-    cases = [({"strategy": "zero3"}, 3, "--heal-replicas needs --strategy ddp"),
+    cases = [({"strategy": "zero3"}, 3, r"takes no parallel degree \(got --strategy zero3\): ask for 3 replicas "
+                                         "with --strategy ddp --nproc 3"),
+             ({"strategy": "ddp", "tp": 2, "nproc": 4}, 4, r"\(got --tp 2\): .* --strategy ddp --nproc 4$"),
              ({}, 1, "--heal-replicas needs --nproc 2 or more"),
              ({"ddp_comm_hook": "powersgd"}, 3, "it takes no --ddp-comm-hook"),
              ({"global_batch": 16}, 3, "must be divisible by the 3 replicas"),

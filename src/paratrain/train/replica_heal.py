@@ -66,7 +66,7 @@ class ReplicaHealer:
 
     def __init__(self, trainer, manager, index: int, count: int, on_heal=None, replacement: bool = False,
                  before_first_step=None):
-        """`on_heal()`: called once this replica holds a peer's state (the supervisor learns it joined).
+        """`on_heal(healed_at)`: called once this replica holds a peer's state (the supervisor learns it joined).
         `replacement`: this process replaces a lost one; it trains only once it found a live peer.
         `before_first_step()`: called once, after any resume, before the first quorum (the first replicas'
         barrier, so none starts a quorum alone)."""
@@ -94,7 +94,7 @@ class ReplicaHealer:
         self.healed_at = {"step": state["step"], "from_replica": state["replica"]}
         self._moved = True
         if self.on_heal is not None:
-            self.on_heal()
+            self.on_heal(self.healed_at)
         log.warning("replica %d: copied the weights, optimizer state and step %d from replica %d (no checkpoint)",
                     self.index, state["step"], state["replica"])
 
@@ -173,6 +173,8 @@ def make_manager(device_type: str, index: int, lighthouse: str, timeout_s: float
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+    from paratrain.train.replica_transport import peer_checkpoint_transport
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # the group's store listens on loopback only (c10d stores have no authentication)
     sock.listen(64)
@@ -181,6 +183,7 @@ def make_manager(device_type: str, index: int, lighthouse: str, timeout_s: float
     timeout = timedelta(seconds=timeout_s)
     group = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
     manager = Manager(pg=group, load_state_dict=None, state_dict=None, min_replica_size=1, use_async_quorum=False,
+                      checkpoint_transport=peer_checkpoint_transport(timeout),
                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
                       store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
                       replica_id=f"replica{index}", hostname="127.0.0.1", init_sync=False)

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
+from paratrain.parallel.layout import DEGREE_DIMS
+from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV, LIGHTHOUSE_ENV
 
 log = logging.getLogger("paratrain")
@@ -28,10 +30,13 @@ FINISH_GRACE_S = 30.0  # after a replica finished, how long those that trained w
 
 def check_heal_run(cfg, world: int, script) -> None:
     """UserError, in one line, for what --heal-replicas cannot run."""
-    others = [d for d in ("tp", "pp", "cp", "dp_shard", "ep") if getattr(cfg, d, None) not in (None, 1)]
-    if cfg.strategy != "ddp" or others:
-        raise UserError(f"--heal-replicas needs --strategy ddp with no other degree (got --strategy "
-                        f"{cfg.strategy}): each replica holds the whole model")
+    # each replica is one process of world size 1: a degree (even --dp-replicate N) would be refused by every one
+    degrees = [f"{d.flag} {getattr(cfg, d.name)}" for d in DEGREE_DIMS if getattr(cfg, d.name) not in (None, 1)]
+    if cfg.strategy != "ddp" or degrees:
+        got = " ".join(([] if cfg.strategy == "ddp" else [f"--strategy {cfg.strategy}"]) + degrees)
+        replicas = cfg.dp_replicate if (cfg.dp_replicate or 1) > 1 else max(world, cfg.nproc, 2)
+        raise UserError(f"--heal-replicas runs whole-model replicas, one device each, and takes no parallel degree "
+                        f"(got {got}): ask for {replicas} replicas with --strategy ddp --nproc {replicas}")
     if cfg.ddp_comm_hook != "none" or cfg.local_sgd_period:
         raise UserError("--heal-replicas averages plain gradients over the replicas alive: it takes no "
                         "--ddp-comm-hook or --local-sgd-period")
@@ -150,7 +155,7 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
                                 "replica", rep.index, restarts, cfg.max_restarts)
             if finish_deadline:  # a replacement that never joined has nobody left to join: stop it now
                 late = [rep for rep in running if time.monotonic() > finish_deadline or
-                        (rep.attempt > 0 and not (state_dir / f"joined-r{rep.index}-a{rep.attempt}").exists())]
+                        (rep.attempt > 0 and not (state_dir / f"joined-r{rep.index}-a{rep.attempt}.json").exists())]
                 for rep in late:
                     log.warning("replica %d did not finish with the others; stopping it", rep.index)
                     rep.kill()
@@ -165,8 +170,17 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
         raise CheckFailed(f"no replica finished the run ({restarts} restarts of --max-restarts "
                           f"{cfg.max_restarts})")
     summary = finished[min(finished)]
-    summary.update(replica_restarts=restarts, replicas_finished=sorted(finished))
+    layout = resolve_layout(cfg, count)  # the run as a whole: ddp over the replicas, where each one saw world 1
+    summary.update(world_size=layout.world, dims=layout.degrees(), layout=layout.to_dict(),
+                   replica_restarts=restarts, replicas_finished=sorted(finished), healed_at=heals_of(state_dir))
     return summary
+
+
+def heals_of(state_dir: Path) -> list[dict]:
+    """Every replacement that copied a live replica's state in this run, in step order: {"replica", "attempt",
+    "step", "from_replica"} (train/replica_worker.py writes one file each, even for a process lost later)."""
+    heals = [json.loads(p.read_text()) for p in state_dir.glob("joined-*.json")]
+    return sorted(heals, key=lambda h: (h["step"], h["replica"], h["attempt"]))
 
 
 def _exit_text(code: int) -> str:

@@ -55,9 +55,13 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     trainer = Trainer(cfg, rt, out, quiet=index != 0, data_shard=(index, count))
     manager, store = make_manager(rt.device_type, index, os.environ[LIGHTHOUSE_ENV], cfg.timeout_s)
     state_dir = Path(summary_path).parent
-    joined = state_dir / f"joined-r{index}-a{attempt}"  # the supervisor reads it (train/replica_launch.py)
+    joined = state_dir / f"joined-r{index}-a{attempt}.json"  # the supervisor reads it (replica_launch.py)
+
+    def record_heal(healed_at: dict) -> None:
+        write_json(joined, {"replica": index, "attempt": attempt, **healed_at})
+
     together = None if attempt else (lambda: wait_for_peers(state_dir / "barrier", index, count, cfg.timeout_s))
-    healer = ReplicaHealer(trainer, manager, index, count, on_heal=joined.touch, replacement=attempt > 0,
+    healer = ReplicaHealer(trainer, manager, index, count, on_heal=record_heal, replacement=attempt > 0,
                            before_first_step=together)
     try:
         summary = trainer.fit()
@@ -67,11 +71,16 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     finally:
         manager.shutdown(wait=False)
     summary.update(healer.summary(), replica=index, attempt=attempt, pid=os.getpid())
-    tmp = Path(summary_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, default=str))
-    tmp.replace(summary_path)
+    write_json(Path(summary_path), summary)
     del store
     return 0
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: the supervisor may read it the moment it exists, or after this process was killed."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    tmp.replace(path)
 
 
 def run_replica_process(env: dict[str, str], *argv: str) -> None:

@@ -73,7 +73,7 @@ class Trainer:
 
         self.predicted_peak_gib = predicted_peak_gib
 
-        self.cfg, self.rt, self.run_dir, self.quiet = cfg, runtime, run_dir, quiet
+        self.cfg, self.rt, self.run_dir, self.quiet, self.data_shard = cfg, runtime, run_dir, quiet, data_shard
         self.hooks = Hooks(hooks if hooks is not None else default_hooks())
         layout = layout or resolve_layout(cfg, runtime.world_size)
         self.distributed = layout.world > 1
@@ -347,9 +347,11 @@ class Trainer:
             if main else None
         if main and not self.quiet:
             floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
+            # a --heal-replicas replica (data_shard) is one device of a run of `count` replicas: describe the run
+            shape, world = (f"{self.data_shard[1]} replicas, --heal-replicas", self.data_shard[1]) \
+                if self.data_shard else (self.layout.describe(), self.layout.world)
             log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.model_name,
-                     readable_count(self.param_count),
-                     cfg.strategy, self.layout.describe(), self.layout.world, self.rt.device_type, floor)
+                     readable_count(self.param_count), cfg.strategy, shape, world, self.rt.device_type, floor)
         if main and not self.quiet and self.data_tokens is not None:
             self.log_data()
         prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda", timeout_s=cfg.timeout_s,
