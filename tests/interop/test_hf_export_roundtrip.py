@@ -16,6 +16,8 @@ first batch: the weights went in. The last leg's export is checked the same way 
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -57,20 +59,22 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 1}))
 
 
-def train(root: Path, spec: str, strategy: str, name: str) -> tuple[Path, Path]:
+def train(root: Path, spec: str, strategy: str, name: str, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """A 2-rank, 2-step run of `spec` saving its last step; returns (checkpoint step dir, metrics.jsonl). In this
     process: the ranks fork from its warm forkserver (no interpreter start)."""
     code, _, err = run_cli_inproc(["train", "--model", spec, "--strategy", strategy, "--nproc", "2", "--steps", "2",
                                    "--seq-len", str(SEQ), "--global-batch", str(BATCH), "--ckpt-every", "2",
-                                   "--ckpt-dir", f"ck-{name}", "--out", f"run-{name}", "--resume", "never"], cwd=root)
+                                   "--ckpt-dir", f"ck-{name}", "--out", f"run-{name}", "--resume", "never", *extra],
+                                  cwd=root)
     assert code == 0, err[-3000:]
     return root / f"ck-{name}" / "step-2", root / f"run-{name}" / "metrics.jsonl"
 
 
-def chain(root: Path, source: Path, strategies: tuple[str, ...]) -> list[dict]:
+def chain(root: Path, source: Path, strategies: tuple[str, ...], first: tuple[str, ...] = ()) -> list[dict]:
+    """Train, export, train the export...; `first`: more train arguments for the first leg (its data)."""
     legs, spec = [], f"hf:{source.name}"
     for i, strategy in enumerate(strategies):
-        step_dir, metrics = train(root, spec, strategy, f"{i}-{strategy}")
+        step_dir, metrics = train(root, spec, strategy, f"{i}-{strategy}", first if i == 0 else ())
         out = root / f"out-{i}-{strategy}"
         if i == 0:  # the CLI's arguments, as a user writes them, once (in this process: export starts no worker)
             code, stdout, stderr = run_cli_inproc(["export", step_dir.parent.name, "-o", out.name, "--json"], cwd=root)
@@ -97,6 +101,28 @@ def tied_chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("tied-chain")
     source = write_config(root, "llama", tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     return chain(root, source, ("zero3", "pp"))
+
+
+WORDS = ("alpha", "beta", "x1", "42", "3.14", "hello,", "world!", "(a+b)", "'quoted'", "2024-01-05", "#tag",
+         "foo_bar", "user@example.com", "1234567", "Über", "naïve", "  spaced", "end.\n")
+
+
+@pytest.fixture(scope="module")
+def tokenized_qwen2_chain(tmp_path_factory):
+    """A tied Qwen2 trained first on 300 documents (digits, punctuation) with a tokenizer `paratrain data
+    tokenizer` trains on them, then from its export under tp (synthetic data). The model directory holds the same
+    tokenizer.json, as a user keeps it beside the config."""
+    from paratrain.interop.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("qwen2-tokenized")
+    rng = random.Random(7)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20))) for _ in range(300)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (root / "docs.txt").write_text("\n".join(docs))
+    train_tokenizer([root / "docs.txt"], root / "tok", 320)
+    source = write_config(root, "qwen2", tie_word_embeddings=True, vocab_size=320)
+    shutil.copyfile(root / "tok" / "tokenizer.json", source / "tokenizer.json")
+    return chain(root, source, ("zero3", "tp"), ("--data", "docs.jsonl", "--tokenizer", "tok")), docs, root / "tok"
 
 
 def saved_keys(directory: Path) -> set[str]:
@@ -146,11 +172,10 @@ def check_export(leg: dict, reference: set[str], tied: bool) -> None:
 
 
 def first_batch_loss(directory: Path) -> float:
-    source = BatchSource(make_dataset("synthetic", 256, SEQ, 0), BATCH, 0, 1, BATCH)
-    batch = source.rank_batch(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    batch = BatchSource(make_dataset("synthetic", model.config.vocab_size, SEQ, 0), BATCH, 0, 1, BATCH).rank_batch(0)
     with torch.no_grad():
-        logits = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)(
-            batch.inputs).logits
+        logits = model(batch.inputs).logits
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
 
 
@@ -173,6 +198,24 @@ def test_tied_llama_round_trips_under_zero3_and_pp(tied_chain, tmp_path):
     assert [leg["strategy"] for leg in tied_chain] == ["zero3", "pp"]
     check_chain(tied_chain, tmp_path, tied=True)
     assert "lm_head.weight" not in saved_keys(tied_chain[-1]["out"])
+
+
+def test_tied_qwen2_with_its_own_tokenizer_round_trips(tokenized_qwen2_chain, tmp_path):
+    """The export ships the run's --tokenizer, and AutoTokenizer gives exactly the training ids (transformers'
+    own Qwen2 class would split digits and punctuation otherwise); every file is written with one mode."""
+    from tokenizers import Tokenizer
+
+    legs, docs, tokenizer_dir = tokenized_qwen2_chain
+    check_chain(legs, tmp_path, tied=True)
+    out = legs[0]["out"]
+    training = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert [auto(d)["input_ids"] for d in docs] == [training.encode(d).ids for d in docs]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(legs[0]["doc"]["files"])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == \
+        {f.name: 0o666 & ~umask for f in out.iterdir()}
 
 
 def test_a_mangled_name_fails_the_key_check(qwen2_chain, tmp_path):

@@ -3,6 +3,7 @@
 # configs under --ep 2, tp=2 and zero3; planted EP faults (tests/support/moe_faults.py) that must fail at step 1;
 # three short runs that save a checkpoint for test_hf_moe.py's export checks; and one run with the first layer's
 # router biased to expert 0, whose metrics.jsonl (and the clean qwen3_moe-ep2 run's) the doctor's rule reads.
+# `retrain` (a second launch) trains the exports again as hf: models under another strategy.
 """Usage: torchrun --standalone --nproc-per-node 2 hf_moe_worker.py WORKDIR -> rank 0 prints one JSON line.
 
 WORKDIR holds one folder per model type with its config.json (written by the test with transformers' own
@@ -46,6 +47,11 @@ SAVES = [{"id": "qwen3_moe-ep2", "kind": "qwen3_moe", "strategy": "ep", "ep": 2}
          {"id": "moe-tiny-ep2", "model": "moe-tiny", "strategy": "ep", "ep": 2},
          {"id": "qwen3_moe-ep2-biased", "kind": "qwen3_moe", "strategy": "ep", "ep": 2,
           "fault": "moe-biased-first-router"}]
+# the exports of SAVES (written by test_hf_moe.py between the launches) trained again as hf: models, one step
+# under another strategy: the qwen3_moe ep checkpoint's under tp, the mixtral tp and moe-tiny ones' under ep
+RETRAIN = [{"id": "qwen3_moe-ep2-then-tp2", "out": "out-qwen3_moe-ep2", "strategy": "tp"},
+           {"id": "mixtral-tp2-then-ep2", "out": "out-mixtral-tp2", "strategy": "ep", "ep": 2},
+           {"id": "moe-tiny-ep2-then-ep2", "out": "out-moe-tiny", "strategy": "ep", "ep": 2}]
 KEYS = ("strategy", "dims", "passed", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_abs_diff",
         "expert_assignments_match", "first_assignment_mismatch", "first_divergence")
 
@@ -82,6 +88,22 @@ def run(work: str) -> dict | None:
     gc.collect()
     shutdown()
     return json.loads(json.dumps({"verify": out}, default=str)) if rt.is_main else None
+
+
+def retrain(work: str) -> dict | None:
+    """Each RETRAIN run in this process group, its metrics.jsonl in WORKDIR/run-<id>: {} on rank 0."""
+    rt = init_runtime("cpu", 120.0)
+    for case in RETRAIN:
+        cfg = config(rt, work, case["out"], steps=1, metrics=True,
+                     **{k: v for k, v in case.items() if k not in ("id", "out")})
+        validate_run(cfg, rt.world_size)
+        run_dir = Path(work) / f"run-{case['id']}"
+        run_dir.mkdir(exist_ok=True)
+        Trainer(cfg, rt, run_dir=run_dir, quiet=True).fit()
+    dist.barrier()
+    gc.collect()
+    shutdown()
+    return {} if rt.is_main else None
 
 
 def main() -> None:

@@ -118,12 +118,41 @@ def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
     assert doc["kind"] == "preset" and doc["architecture"] == "MixtralForCausalLM", doc
     ours = checkpoint_state(build_model(PRESETS["moe-tiny"], "cpu", seed=0), step)
     assert check_export(tmp_path / "out-moe-tiny", ours) == "MixtralForCausalLM"
+    for mode in {(tmp_path / run / f).stat().st_mode & 0o777 for run in ("out-qwen3_moe-ep2", "out-moe-tiny")
+                 for f in ("model.safetensors", "config.json")}:  # one mode for every file, as open() gives
+        assert mode == 0o666 & ~_umask(), oct(mode)
+
+    # every export trained again as hf:EXPORT under another strategy: its first loss is transformers' own loss
+    # of the exported model on that first batch (the weights went in, in the layout transformers loads)
+    from hf_moe_worker import RETRAIN, retrain
+
+    launch_here(retrain, (str(tmp_path),), 2, timeout_s=120.0)
+    for case in RETRAIN:
+        first = json.loads((tmp_path / f"run-{case['id']}" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+        assert first == pytest.approx(export_loss_on_first_batch(tmp_path / case["out"]), rel=1e-5), case["id"]
 
     # per-layer expert load in metrics.jsonl, and the doctor's rule on it: the biased layer named, a clean run not
     biased, clean = (expert_imbalance(tmp_path / f"run-{run}") for run in ("qwen3_moe-ep2-biased", "qwen3_moe-ep2"))
     assert biased is not None and biased.severity == "high", biased
     assert biased.evidence.startswith("hf.model.layers.0.mlp.experts: expert 0 takes 2.00x the mean"), biased
     assert clean is None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def export_loss_on_first_batch(out: Path) -> float:
+    """transformers' next-token loss of the exported model on the first batch of a 4-row, 32-token run."""
+    from paratrain.train.data import BatchSource, make_dataset
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = BatchSource(make_dataset("synthetic", model.config.vocab_size, 32, 0), 4, 0, 1, 4).rank_batch(0)
+    with torch.no_grad():
+        logits = model(batch.inputs).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
 
 
 def expert_imbalance(run: Path):
@@ -167,3 +196,34 @@ def test_unsupported_moe_layouts_are_refused_in_one_line():
         args = PRESETS["moe-tiny"].__class__(**{**PRESETS["moe-tiny"].to_dict(), **change})
         with pytest.raises(UserError, match=what):
             check_mixtral_exportable(args)
+
+
+def test_router_aux_loss_coef_trains_as_transformers_own_loss(tmp_path, caplog):
+    """With output_router_logits, transformers' labels= loss adds router_aux_loss_coef x its balancing loss:
+    paratrain's training gradient (next-token loss on the logits, the balancing loss riding on the backward) is
+    that loss's gradient. Without output_router_logits transformers leaves it out, and one line says so."""
+    from types import SimpleNamespace
+
+    from paratrain.train.step import lm_loss
+
+    transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, output_router_logits=True,
+                                router_aux_loss_coef=0.5).save_pretrained(tmp_path / "aux")
+    model = build_hf_model(f"hf:{tmp_path / 'aux'}", seed=0).train()
+    for p in model.parameters():  # larger than the default init, so that the router's choices matter
+        torch.nn.init.normal_(p, std=0.2)
+    lm_loss(model(TOKENS)[:, :-1], TOKENS[:, 1:]).backward()
+    ours = {name: p.grad.clone() for name, p in model.hf.named_parameters()}
+    model.zero_grad()
+    model.hf(input_ids=TOKENS, labels=TOKENS, output_router_logits=True).loss.backward()
+    for name, p in model.hf.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert ours["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+
+    from paratrain.models.hf_model import warn_unapplied_balancing_loss
+
+    transformers.Qwen3MoeConfig(**COMMON, num_experts=4, router_aux_loss_coef=0.25).save_pretrained(tmp_path / "off")
+    warn_unapplied_balancing_loss(Layout(), SimpleNamespace(model=f"hf:{tmp_path / 'off'}"))
+    assert [r.getMessage() for r in caplog.records if "router_aux_loss_coef" in r.getMessage()] == [
+        f"hf:{tmp_path / 'off'}: router_aux_loss_coef 0.25 is not applied: the config's output_router_logits is "
+        "false, and transformers adds the balancing loss only with it (set it true to train with that loss)"]

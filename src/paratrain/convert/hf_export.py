@@ -14,6 +14,7 @@ safetensors state dict: convert/state_dict_export.py).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -167,6 +168,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
         del loaded
         try:
             safetensors_torch.save_file(tensors, str(out / name), metadata={"format": "pt"})
+            os.chmod(out / name, _new_file_mode())
         except OSError as exc:
             raise UserError(f"cannot write {out / name}: {exc.strerror or exc}") from None
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -178,6 +180,14 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
     return {"checkpoint": str(step_dir), "step": manifest["step"], "out": str(out), "kind": plan.kind,
             "architecture": plan.architecture, "shards": len(shards), "tensors": len(weight_map),
             "bytes": total, "dtype": dtype, "files": files}
+
+
+def _new_file_mode() -> int:
+    """What open() gives a new file under the user's umask: safetensors writes its file 0600 (a private temporary
+    file, renamed), unlike every other file of the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _cast(tensor: torch.Tensor, target: torch.dtype) -> torch.Tensor:

@@ -8,31 +8,28 @@ token table, not `lm_head.weight`), so `from_pretrained` reports no missing or u
 keeps in another layout than it saves (MoE experts, fused in memory, one per expert on disk) are written as
 save_pretrained writes them (convert/hf_saved_format.py).
 
-Beside the weights: config.json (the source's, with `architectures` and the dtype written), and the source
-directory's generation config and tokenizer files, copied when present. The config comes from the manifest
+Beside the weights: config.json (the source's, with `architectures` and the dtype written), the source
+directory's generation config, and the tokenizer (the run's --tokenizer, else the source directory's:
+convert/hf_tokenizer_export.py). The config comes from the manifest
 (recorded at save time), so it survives the source directory; the tokenizer does not, and one line says so.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
 from paratrain.convert.export_plan import ExportPlan, checkpoint_tensors, write_json
 from paratrain.convert.hf_saved_format import saved_format_specs
+from paratrain.convert.hf_tokenizer_export import copy_files, write_tokenizer
 from paratrain.errors import UserError
 from paratrain.interop.hf_format import TORCH_DTYPE_NAMES
 from paratrain.models.hf_files import HF_PREFIX, read_hf_config
 
 log = logging.getLogger("paratrain")
 
-# copied as they are from the source directory when present (never code files: no *.py)
-COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-                "chat_template.jinja", "chat_template.json")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -124,33 +121,28 @@ def hf_model_plan(step_dir: Path, manifest: dict) -> ExportPlan:
                             f"{name} of {spec} is {list(shape)}: it was not saved from this model")
     specs = saved_format_specs(model, expected, by_name)  # e.g. fused MoE experts written one per expert
 
+    tokenizer = (manifest.get("model_source") or {}).get("tokenizer")
+
     def finish(out: Path, dtype: str) -> list[str]:
-        return write_companions(out, doc, architecture, dtype, directory, spec)
+        return write_companions(out, doc, architecture, dtype, directory, spec, tokenizer)
 
     return ExportPlan("hf", architecture, specs, stored, finish)
 
 
 def write_companions(out: Path, doc: dict, architecture: str, dtype: str, directory: Path | None,
-                     spec: str) -> list[str]:
-    """config.json, then the source's generation config and tokenizer files; returns the names written."""
+                     spec: str, tokenizer: str | None = None) -> list[str]:
+    """config.json, the source's generation config, and the tokenizer (the run's --tokenizer, else the source's:
+    convert/hf_tokenizer_export.py); returns the names written."""
     name = TORCH_DTYPE_NAMES[dtype]
     # `dtype` for transformers >= 4.56, `torch_dtype` for older ones: both say what the safetensors hold
     write_json(out / "config.json", {**doc, "architectures": [architecture], "dtype": name, "torch_dtype": name})
     written = ["config.json"]
     if directory is None:
-        log.warning("the source of %s is gone: config.json written from the checkpoint's copy, but no tokenizer "
-                    "or generation config could be copied", spec)
+        log.warning("the source of %s is gone: config.json written from the checkpoint's copy, but no %sgeneration "
+                    "config could be copied", spec, "" if tokenizer else "tokenizer or ")
     else:
-        for file in COPIED_FILES:
-            src, dst = directory / file, out / file
-            if not src.is_file():
-                continue
-            try:
-                if not (dst.exists() and dst.samefile(src)):  # exporting into the source directory itself
-                    shutil.copyfile(src, dst)
-            except OSError as exc:
-                raise UserError(f"cannot copy {src} to {out}: {exc.strerror or exc}") from None
-            written.append(file)
+        written += copy_files(["generation_config.json"], directory, out)
+    written += write_tokenizer(out, tokenizer, directory, spec)
     ids = {k: doc[k] for k in TOKEN_IDS if doc.get(k) is not None}
     if "generation_config.json" not in written and ids:  # what generate() needs, from the config: nothing invented
         write_json(out / "generation_config.json", {**ids, "_from_model_config": True})

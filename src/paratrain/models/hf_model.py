@@ -12,7 +12,10 @@ tests/models/test_hf_model.py checks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -20,6 +23,8 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.models.hf_files import hf_location, read_hf_config
+
+log = logging.getLogger("paratrain")
 
 
 def require_transformers():
@@ -64,6 +69,11 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.name = name
+        from paratrain.models.hf_moe import balancing_coef, experts_modules
+
+        # the MoE balancing loss (models/hf_moe.py), where paratrain's experts forward counts the routed copies
+        modules = experts_modules(hf_model)
+        self.balancing = balancing_coef(hf_model.config) if modules and hasattr(modules[0][1], "aux_scale") else 0.0
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -87,14 +97,22 @@ class HFCausalLM(nn.Module):
         become a 4-D block-diagonal causal mask (transformers uses a 4-D mask as given)."""
         if positions is not None and positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        balancing = self.balancing if self.training and torch.is_grad_enabled() else 0.0
+        kwargs = {"output_router_logits": True} if balancing else {}
         if doc_ids is None:
-            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
-        if getattr(self, "attention_takes_documents", False):  # context parallel: the whole row's document ids
-            return self.hf(input_ids=tokens, position_ids=positions, doc_ids=doc_ids, use_cache=False).logits
-        from paratrain.models.llama import document_mask
+            out = self.hf(input_ids=tokens, position_ids=positions, use_cache=False, **kwargs)
+        elif getattr(self, "attention_takes_documents", False):  # context parallel: the whole row's document ids
+            out = self.hf(input_ids=tokens, position_ids=positions, doc_ids=doc_ids, use_cache=False, **kwargs)
+        else:
+            from paratrain.models.llama import document_mask
 
-        return self.hf(input_ids=tokens, position_ids=positions, attention_mask=document_mask(doc_ids),
-                       use_cache=False).logits
+            out = self.hf(input_ids=tokens, position_ids=positions, attention_mask=document_mask(doc_ids),
+                          use_cache=False, **kwargs)
+        if balancing and getattr(out, "router_logits", None):
+            from paratrain.models.hf_moe import add_balancing_loss
+
+            return add_balancing_loss(self.hf, out.logits, out.router_logits, balancing)
+        return out.logits
 
 
 def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:
@@ -105,30 +123,52 @@ def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:
     _, weights_dir = hf_location(spec)
     if seed is not None:
         torch.manual_seed(seed)  # the same initial weights on every rank and in the single-device reference
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     files = sorted(weights_dir.glob("*.safetensors")) if weights_dir else []
     if files:
-        load_safetensors(model, files)
+        model = load_safetensors(config, files)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     from paratrain.models.hf_moe import install_paratrain_experts
 
     install_paratrain_experts(model)  # MoE layers: paratrain's experts forward (--ep, --tp, verify's routing)
     return HFCausalLM(model, spec)
 
 
-def load_safetensors(model: nn.Module, files: list[Path]) -> None:
-    """Every tensor of the model from the files (a tied head may be absent); missing or foreign names fail."""
+def load_safetensors(config, files: list[Path]) -> nn.Module:
+    """The model of `config` with every tensor from the files, loaded by transformers' own from_pretrained: it
+    takes the layout save_pretrained writes (transformers 5 fuses one-weight-per-expert MoE tensors on load) as
+    well as the state dict's own, and ties a head written once. Missing, foreign or misshaped names fail."""
     from safetensors.torch import load_file
 
     state = {}
     for f in files:
         state.update(load_file(str(f)))
-    result = model.load_state_dict(state, strict=False)
-    tied = {n for n in result.missing_keys if model.get_output_embeddings() is not None
-            and n.startswith("lm_head") and model.get_output_embeddings().weight is model.get_input_embeddings().weight}
-    missing = [n for n in result.missing_keys if n not in tied]
-    if missing or result.unexpected_keys:
+    model_class = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with quiet_transformers():
+        model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32,
+                                                  attn_implementation="sdpa", output_loading_info=True,
+                                                  ignore_mismatched_sizes=True)
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(str(m[0] if isinstance(m, tuple) else m) for m in info.get("mismatched_keys") or ())
+    if missing or unexpected or mismatched:
         raise UserError(f"{files[0].parent}: the safetensors do not match the config: missing {missing[:3]}, "
-                        f"unexpected {result.unexpected_keys[:3]}")
+                        f"unexpected {unexpected[:3]}, misshaped {mismatched[:3]}")
+    return model
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bar and no load report on stderr: a mismatch is paratrain's one error line."""
+    logging_ = require_transformers().utils.logging
+    verbosity, bars = logging_.get_verbosity(), logging_.is_progress_bar_enabled()
+    logging_.set_verbosity_error()
+    logging_.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging_.set_verbosity(verbosity)
+        if bars:
+            logging_.enable_progress_bar()
 
 
 def check_hf_run(layout, cfg, args) -> None:
@@ -152,6 +192,23 @@ def check_hf_pipeline_layout(layout) -> None:
     if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
         raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
                         "pp composes with data parallelism (ddp, zero, hsdp) here")
+
+
+def warn_unapplied_balancing_loss(layout, cfg) -> None:
+    """One line when an hf: MoE config's router_aux_loss_coef will not train (models/hf_moe.py): transformers
+    itself leaves it out without output_router_logits, and a pipeline's stages do not compute it."""
+    doc = read_hf_config(cfg.model)
+    coef = doc.get("router_aux_loss_coef")
+    if not isinstance(coef, int | float) or coef <= 0 or os.environ.get("RANK", "0") != "0":
+        return
+    if not doc.get("output_router_logits"):
+        log.warning("%s: router_aux_loss_coef %g is not applied: the config's output_router_logits is false, and "
+                    "transformers adds the balancing loss only with it (set it true to train with that loss)",
+                    cfg.model, coef)
+    elif layout.pp_enabled:
+        log.warning("%s: router_aux_loss_coef %g is not applied under pipeline parallelism (the balancing loss "
+                    "needs every layer's router logits in one forward): run without pp to train with it",
+                    cfg.model, coef)
 
 
 # MoE families whose experts paratrain's forward (models/hf_moe.py) is verified on under --ep and --tp

@@ -11,9 +11,13 @@ is paratrain's: the routed copies sorted by expert, one grouped GEMM (or a loop)
 the experts split over the tp ranks by expert (SplitExpertsOverTP below). It also keeps each layer's routing
 fingerprint (`last_routing`) that verify compares, as models/moe.py does.
 
-No balancing loss: paratrain's loss is the next-token loss on the logits, as for every hf: model (transformers
-adds `router_aux_loss_coef` only when it computes the loss from `labels`), so `reduce_counts` is None: the
-router's counts never leave the rank.
+The balancing loss is transformers' own: `router_aux_loss_coef` times its `load_balancing_loss_func` of every
+layer's router logits, added when the config sets `output_router_logits` (as transformers adds it to its `labels`
+loss then, and only then). Its routed-copy fractions are counted over all data ranks (`reduce_counts`, the
+all-reduce parallel/expert_parallel.py installs), as paratrain's own MoE counts them, so a layout computes what
+one device computes; each rank's mean router probabilities are averaged like the language-model loss. As for
+paratrain's own MoE it rides on the backward (`_AddAuxLoss`): the reported loss is the next-token loss. Without
+`output_router_logits`, `reduce_counts` is None: the router's counts never leave the rank.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from paratrain.models.moe import (
+    _AddAuxLoss,
     grouped_mm_inputs,
     grouped_mm_supported,
+    identity_counts,
     local_dispatch,
     local_weight,
     routed_input,
@@ -66,7 +72,8 @@ def install_paratrain_experts(hf_model: nn.Module) -> int:
     hf_model.set_experts_implementation(IMPLEMENTATION)
     for _, module in modules:
         module.dispatch = local_dispatch  # parallel/expert_parallel.py: the all-to-all under --ep
-        module.reduce_counts = None  # no balancing loss (module docstring): nothing to count over the ranks
+        # counted over the data ranks only for the balancing loss (module docstring)
+        module.reduce_counts = identity_counts if balancing_coef(hf_model.config) else None
         module.aux_scale = 1.0
         module.tp_mesh = None  # SplitExpertsOverTP: the tp ranks' mesh when the experts are split over it
         module.last_routing = None
@@ -74,6 +81,31 @@ def install_paratrain_experts(hf_model: nn.Module) -> int:
         module.last_load = None
         module.last_dropped = 0
     return len(modules)
+
+
+def balancing_coef(config) -> float:
+    """The weight transformers gives the balancing loss in its own training loss: router_aux_loss_coef when the
+    config sets output_router_logits, else none."""
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def add_balancing_loss(hf_model: nn.Module, logits: torch.Tensor, router_logits, coef: float) -> torch.Tensor:
+    """`logits` unchanged; in backward, the gradient of coef x transformers' load_balancing_loss_func of the
+    layers' router logits, with the routed-copy fractions counted over all data ranks."""
+    carrier = experts_modules(hf_model)[0][1]
+    n_experts, k = router_logits[0].shape[-1], hf_model.config.num_experts_per_tok
+    counts = torch.zeros(n_experts + 1, device=logits.device)  # copies per expert, then the rows routed
+    probs = torch.zeros(n_experts, device=logits.device)
+    for layer in router_logits:
+        p = torch.softmax(layer.float(), dim=-1)
+        counts[:n_experts] += torch.bincount(p.topk(k, dim=-1).indices.flatten(), minlength=n_experts)
+        counts[n_experts] += p.shape[0]
+        probs = probs + p.sum(0)
+    total = carrier.reduce_counts(counts)
+    aux = coef * n_experts * (total[:n_experts] / total[n_experts] * probs / counts[n_experts]).sum()
+    return _AddAuxLoss.apply(logits, aux, carrier.aux_scale, None)
 
 
 def grouped_swiglu(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

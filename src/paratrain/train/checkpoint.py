@@ -45,10 +45,11 @@ def model_fingerprint(model_args: dict) -> str:
     return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_source(model: str | None, custom=None) -> dict:
+def model_source(model: str | None, custom=None, tokenizer: str | None = None) -> dict:
     """What kind of model a checkpoint holds, so `export` picks its writer without guessing: a paratrain preset
     (its args are the manifest's "model"), a transformers model (`hf:`: the config.json's path and its content,
-    so export still has the config if the directory is gone), or a user's own nn.Module (`custom`)."""
+    so export still has the config if the directory is gone), or a user's own nn.Module (`custom`). A transformers
+    model trained on documents also records the run's --tokenizer, which export ships with it."""
     from paratrain.models.hf_files import hf_location, is_hf_model, read_hf_config
 
     if custom is not None:
@@ -56,6 +57,8 @@ def model_source(model: str | None, custom=None) -> dict:
     if not is_hf_model(model):
         return {"kind": "preset", "name": model}
     source = {"kind": "hf", "spec": model}
+    if tokenizer:
+        source["tokenizer"] = str(Path(tokenizer).resolve())
     try:
         config_path, _ = hf_location(model)
         source.update(config_path=str(config_path.resolve()), config=read_hf_config(model))
@@ -313,8 +316,9 @@ def _manifest_problem(manifest, confined_name) -> str | None:
         return "'model' is not a mapping"
     source = manifest.get("model_source", {})
     if not isinstance(source, dict) or not isinstance(source.get("kind", ""), str) or \
-            not isinstance(source.get("config", {}), dict) or not isinstance(source.get("config_path", ""), str):
-        return "'model_source' is not a mapping with a kind, a config path and a config"
+            not isinstance(source.get("config", {}), dict) or not isinstance(source.get("config_path", ""), str) or \
+            not isinstance(source.get("tokenizer", ""), str):
+        return "'model_source' is not a mapping with a kind, a config path, a config and a tokenizer path"
     if not isinstance(manifest.get("run_id", ""), str | None):
         return "'run_id' is not a string"
     return None

@@ -264,7 +264,7 @@ class Trainer:
             extra["scaler"] = self.scaler.state_dict()
         meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
                 "dims": self.layout.degrees(), "strategy": self.cfg.strategy, "run_id": self.run_id,
-                "model_source": ckpt.model_source(self.cfg.model, self.custom)}
+                "model_source": ckpt.model_source(self.cfg.model, self.custom, self.cfg.tokenizer)}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 

@@ -8,7 +8,7 @@ import os
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.hf_files import is_hf_model, read_hf_config
-from paratrain.models.hf_model import check_hf_run
+from paratrain.models.hf_model import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.checks import check_layout, check_tp_divides
 from paratrain.parallel.layout import Layout
@@ -44,6 +44,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if is_hf_model(cfg.model):  # what a transformers model cannot run, before any process starts
         check_hf_run(layout, cfg, args)
         warn_past_trained_positions(cfg)
+        warn_unapplied_balancing_loss(layout, cfg)
     check_precision(cfg, layout, device_type)
     dataset = make_train_data(cfg, args.vocab_size)
     if isinstance(dataset, DocumentData):
