@@ -7,8 +7,10 @@ suite runs run_checks in its shared 4-rank group (tests/conftest.py's four_ranks
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -94,6 +96,28 @@ def rows_against_routing(rt) -> dict:
     return {key: sum(t[key] for t in totals) for key in seen}
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def redistribute_warnings():
+    """What DTensor's redistribution logs on this rank meanwhile (e.g. '2 sequential all_reduce operations': a
+    reduction over two mesh dims with no flattened view of them)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    handler = _Warnings()
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+
+
 def run_checks(rt, only: list[str] | None = None) -> dict:
     """The cases (those of `only`, all when none) and the resume, in this process group: rank 0's report."""
     out = []
@@ -101,11 +125,14 @@ def run_checks(rt, only: list[str] | None = None) -> dict:
         fields = {k: v for k, v in case.items() if k not in ("id", "fault")}
         cfg = config(rt, **fields)
         validate_run(cfg, rt.world_size)
-        with planted(case.get("fault")):
+        with planted(case.get("fault")), redistribute_warnings() as warned:
             report = verify_in_group(cfg, rt)
+        warned_anywhere = [None] * rt.world_size
+        dist.all_gather_object(warned_anywhere, warned)
         if rt.is_main:
             first = report["first_divergence"]
             out.append({"id": case["id"], **{k: report[k] for k in KEYS},
+                        "redistribute_warnings": sorted({line for lines in warned_anywhere for line in lines}),
                         "first_step": min([s for s in (first and first["step"],
                                                        (report["first_assignment_mismatch"] or {}).get("step"))
                                            if s] or [None])})

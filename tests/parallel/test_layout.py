@@ -90,3 +90,15 @@ def test_strategy_options_come_from_the_table_alone():
             assert (lay.pp_schedule, lay.microbatches) == ("gpipe", 1)
         again = resolve_layout(cfg.model_copy(update=config_fields(lay)), world)
         assert again == lay, (name, again, lay)
+
+
+def test_ep_without_ranks_to_split_names_the_options_that_give_it_some():
+    """`--ep 2 --nproc 2` on the default strategy (ddp: every rank a replica) leaves ep no sharded ranks."""
+    cfg = TrainConfig(model="moe-tiny", ep=2, nproc=2)
+    with pytest.raises(UserError) as refused:
+        resolve_layout(cfg, 2)
+    assert str(refused.value) == ("--ep 2 must divide the dp_shard x cp ranks (1): give it ranks to split with "
+                                  "--strategy ep or --dp-shard N with N a multiple of 2")
+    # both ways it names are taken
+    assert resolve_layout(cfg.model_copy(update={"strategy": "ep"}), 2).dp_shard == 2
+    assert resolve_layout(cfg.model_copy(update={"dp_shard": 2}), 2).ep == 2

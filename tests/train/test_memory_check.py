@@ -61,4 +61,21 @@ def test_a_fitting_run_logs_predicted_against_measured_at_step_2(cli_here):
     summary = json.loads(res.stdout)
     line = next((ln for ln in res.stderr.splitlines() if "memory at step 2:" in ln), None)
     assert line and f"predicted {summary['predicted_peak_gib']:.3g} GiB" in line, res.stderr[-2000:]
-    assert "measured" in line and "within 8 GiB" in res.stderr
+    assert "within 8 GiB" in res.stderr
+    # on CPU, like with like: the resident memory the run added, not the process's (torch's own included)
+    measured = re.search(r"measured ([0-9.e-]+) GiB \(resident peak above the ([0-9.e-]+) GiB held before the "
+                         r"model was built\): [0-9.]+x$", line)
+    assert measured, line
+    assert 0 < float(measured.group(1)) < float(measured.group(2)), line  # tiny's tensors are far below torch's
+
+
+def test_resident_memory_above_the_baseline_counts_what_was_allocated_since():
+    import torch
+
+    from paratrain.train.host_memory import ResidentBaseline
+
+    baseline = ResidentBaseline.take()
+    held = torch.ones(64 * 2**20 // 4)  # 64 MiB, written (so resident)
+    assert 60 / 1024 < baseline.peak_above() < 200 / 1024 and not baseline.since_start
+    del held
+    assert baseline.peak_above() > 60 / 1024  # a peak: freeing does not lower it

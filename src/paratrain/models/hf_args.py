@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from paratrain.errors import UserError
 from paratrain.models.hf_model import hf_config_object
+from paratrain.models.hf_shape import head_dim_of
 from paratrain.models.llama import ModelArgs
 
 UNGATED = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "phi", "falcon", "starcoder2", "bloom")
@@ -39,10 +40,11 @@ def args_from_doc(doc: dict, name: str, seq_len: int | None = None) -> ModelArgs
     learned_positions = get("n_positions") is not None  # GPT-2 style: a table, no room beyond it
     if learned_positions and seq_len and seq_len > positions:
         raise UserError(f"{name}: --seq-len {seq_len} is longer than the model's {positions} learned positions")
-    if dim % heads or heads % kv:
+    head_dim = head_dim_of(get("head_dim"), dim, heads, name) if gated else None
+    if (not gated and dim % heads) or heads % kv:
         raise UserError(f"{name}: hidden_size {dim} / {heads} heads / {kv} kv heads do not divide")
     return ModelArgs(name=name, family="llama" if gated else "gpt2", vocab_size=_positive(get("vocab_size"), "vocab_size", name),
                      dim=dim, n_layers=_positive(get("num_hidden_layers"), "num_hidden_layers", name), n_heads=heads,
-                     n_kv_heads=kv, ffn_dim=_positive(int(ffn), "intermediate_size", name),
+                     n_kv_heads=kv, attn_head_dim=head_dim, ffn_dim=_positive(int(ffn), "intermediate_size", name),
                      max_seq_len=max(int(positions), seq_len or 0),
                      tie_embeddings=bool(get("tie_word_embeddings", False)))

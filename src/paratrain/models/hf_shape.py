@@ -30,6 +30,21 @@ def _need(doc: dict, key: str, where: str):
     return value
 
 
+def head_dim_of(value, dim: int, heads: int, where: str) -> int | None:
+    """The config's head_dim (`value`) when heads x head_dim is not hidden_size (Qwen3, GPT-OSS, GLM-4.5: the
+    query is that wide, not the residual), else None; refused when neither gives heads of an even size (RoPE)."""
+    if value is None:
+        if dim % heads:
+            raise UserError(f"{where}: hidden_size {dim} does not split into {heads} heads and the config gives no "
+                            "head_dim")
+        value = dim // heads
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{where}: 'head_dim' must be a positive integer, got {value!r}")
+    if value % 2:
+        raise UserError(f"{where}: heads of {value} (head_dim) must have an even size for rotary positions")
+    return None if value * heads == dim else value
+
+
 def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None = None,
                         seq_len: int | None = None) -> ModelArgs:
     """ModelArgs of a config document. `name`: what the model is called (default: the config's own
@@ -51,14 +66,16 @@ def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None 
         heads = _need(doc, "num_attention_heads", where)
         kv = doc.get("num_key_value_heads") or heads
         positions = int(doc.get("max_position_embeddings") or 4096)
+        dim = _need(doc, "hidden_size", where)
         args = ModelArgs(name=name, family="llama", vocab_size=_need(doc, "vocab_size", where),
-                         dim=_need(doc, "hidden_size", where), n_layers=_need(doc, "num_hidden_layers", where),
-                         n_heads=heads, n_kv_heads=int(kv), ffn_dim=_need(doc, "intermediate_size", where),
+                         dim=dim, n_layers=_need(doc, "num_hidden_layers", where),
+                         n_heads=heads, n_kv_heads=int(kv), attn_head_dim=head_dim_of(doc.get("head_dim"), dim, heads, where),
+                         ffn_dim=_need(doc, "intermediate_size", where),
                          max_seq_len=max(positions, seq_len or 0),
                          norm_eps=float(doc.get("rms_norm_eps", LLAMA_NORM_EPS)), rope_theta=_rope_theta(doc),
                          tie_embeddings=bool(doc.get("tie_word_embeddings", False)))
-        if args.dim % heads or heads % args.kv_heads:
-            raise UserError(f"{where}: hidden_size {args.dim} / {heads} heads / {args.kv_heads} kv heads do not divide")
+        if heads % args.kv_heads:
+            raise UserError(f"{where}: {heads} heads / {args.kv_heads} kv heads do not divide")
         return args
     if kind in MOE_TYPES:
         return moe_args_from_hf_config(doc, where, name, seq_len)
@@ -71,7 +88,9 @@ def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None 
 MOE_TYPES = {"qwen3_moe": ("num_experts", "moe_intermediate_size", "softmax"),
              "mixtral": ("num_local_experts", "intermediate_size", "softmax"),
              "olmoe": ("num_experts", "intermediate_size", "softmax"),
-             "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "sigmoid")}
+             "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "sigmoid"),
+             "gpt_oss": ("num_local_experts", "intermediate_size", "softmax"),
+             "glm4_moe": ("n_routed_experts", "moe_intermediate_size", "sigmoid")}
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -91,15 +110,18 @@ def _mla_head_dim(doc: dict, heads: int, kv: int, dim: int) -> int:
 
 
 def moe_args_from_hf_config(doc: dict, where: str, name: str, seq_len: int | None) -> ModelArgs:
-    """Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 configs: the attention of a Llama, MoE feed-forwards."""
+    """Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS and GLM-4.5 configs: the attention of a Llama, MoE
+    feed-forwards (GPT-OSS's attention sinks and biases and GLM's q/k/v biases left out: under 0.1% of either)."""
     kind = doc["model_type"]
     experts_key, hidden_key, router = MOE_TYPES[kind]
     heads = _need(doc, "num_attention_heads", where)
     kv = int(doc.get("num_key_value_heads") or heads)
     dim = _need(doc, "hidden_size", where)
-    head_dim = doc.get("head_dim")
     if kind == "deepseek_v3":
         head_dim = _mla_head_dim(doc, heads, kv, dim)
+        head_dim = None if head_dim * heads == dim else head_dim
+    else:
+        head_dim = head_dim_of(doc.get("head_dim"), dim, heads, where)
     dense_layers = int(doc.get("first_k_dense_replace", 0) or 0)
     if kind == "qwen3_moe" and (doc.get("mlp_only_layers") or int(doc.get("decoder_sparse_step", 1)) != 1):
         raise UserError(f"{where}: qwen3_moe with dense layers between MoE ones (mlp_only_layers, "
@@ -109,7 +131,7 @@ def moe_args_from_hf_config(doc: dict, where: str, name: str, seq_len: int | Non
     expert_dim = _need(doc, hidden_key, where)
     args = ModelArgs(name=name, family="llama", vocab_size=_need(doc, "vocab_size", where), dim=dim,
                      n_layers=_need(doc, "num_hidden_layers", where), n_heads=heads, n_kv_heads=kv,
-                     attn_head_dim=int(head_dim) if head_dim and int(head_dim) != dim // heads else None,
+                     attn_head_dim=head_dim,
                      ffn_dim=int(doc.get("intermediate_size") or expert_dim), moe_ffn_dim=expert_dim,
                      max_seq_len=max(int(doc.get("max_position_embeddings") or 4096), seq_len or 0),
                      norm_eps=float(doc.get("rms_norm_eps", LLAMA_NORM_EPS)), rope_theta=_rope_theta(doc),

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
-from paratrain.parallel.dims import dims_in_mesh_order, mesh_dims
+from paratrain.parallel.dims import dim_named, dims_in_mesh_order, mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE
 
 log = logging.getLogger("paratrain")
@@ -33,6 +33,10 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 FLATTENED = {name: dims for name, dims in GROUP_DIMS.items() if len(dims) > 1}
+# flattened only for DTensor, which looks a flattened view up by its ranks: a weight FSDP shards and TP splits has
+# its grad norm partial on both dims, then summed in one all-reduce instead of two in sequence (which DTensor warns
+# may order the sums differently on different ranks)
+REDUCTION_VIEWS = (("dp_shard", "cp", "tp"),)
 
 
 def subdivision_problem(degrees: dict[str, int]) -> str | None:
@@ -40,8 +44,19 @@ def subdivision_problem(degrees: dict[str, int]) -> str | None:
     for dim in _SUBDIVIDING:
         ranks = math.prod(degrees[d] for d in dim.within)
         if ranks % degrees[dim.name]:
-            return f"{dim.flag} {degrees[dim.name]} must divide the {' x '.join(dim.within)} ranks ({ranks})"
+            return (f"{dim.flag} {degrees[dim.name]} must divide the {' x '.join(dim.within)} ranks ({ranks}): "
+                    f"{_ways_to_subdivide(dim, degrees[dim.name])}")
     return None
+
+
+def _ways_to_subdivide(dim, degree: int) -> str:
+    """The options that give a dim that adds no ranks some to split: the strategies that fill it, or its first
+    `within` dim set to a multiple of its degree."""
+    from paratrain.parallel.strategies import STRATEGY_TABLE  # it imports this module
+
+    ways = [f"--strategy {name}" for name, row in STRATEGY_TABLE.items() if row.fills == dim.name]
+    ways.append(f"{dim_named(dim.within[0]).flag} N with N a multiple of {degree}")
+    return f"give it ranks to split with {' or '.join(ways)}"
 
 
 def _with_degree_fields(cls):
@@ -251,6 +266,10 @@ class Layout:
             present = tuple(p for p in parts if p in names)
             if len(present) > 1:
                 mesh[present]._flatten(flat, backend_override=override)
+        for parts in REDUCTION_VIEWS:
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1 and present not in FLATTENED.values():
+                mesh[present]._flatten("_".join(present), backend_override=override)
         log.info("device mesh %s", dict(zip(names, shape)))
         return dataclasses.replace(self, mesh=mesh, split_meshes=self._split_meshes(mesh, override))
 

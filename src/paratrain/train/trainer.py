@@ -34,6 +34,7 @@ from paratrain.train.data_loading import make_batch_source, make_prefetcher, mak
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.faults import RunFailed
 from paratrain.train.hooks import Hooks, default_hooks
+from paratrain.train.host_memory import ResidentBaseline
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
@@ -86,6 +87,9 @@ class Trainer:
             custom.check(layout, cfg)
         self.layout = layout.with_mesh(runtime.device_type, cfg.timeout_s) if self.distributed else layout
 
+        # CPU: the step-2 memory line measures resident memory above what the process holds now (host_memory.py)
+        self.host_baseline = ResidentBaseline.take() \
+            if predicted_peak_gib is not None and runtime.device_type != "cuda" else None
         # before the model exists, so the snapshot shows who allocated the parameters too
         self.mem_snapshot = MemorySnapshot.start(cfg.memory_snapshot, runtime.device_type, run_dir, runtime.rank)
         self.hf = custom is None and is_hf_model(cfg.model)
@@ -478,8 +482,11 @@ class Trainer:
 
     def log_memory_against_prediction(self, measured_gib: float) -> None:
         """Step 2 (the optimizer state exists from step 1): the memory check's prediction against the measured
-        peak. On CPU the measure is the process's resident memory, which also holds torch itself."""
+        peak: on a GPU the peak allocated bytes; on CPU the resident memory above what the process held before
+        the model was built (torch itself is not predicted), or where that cannot be read, all of it."""
         what = "peak allocated" if self.rt.device_type == "cuda" else "process RSS, torch included"
+        if self.host_baseline is not None:
+            measured_gib, what = self.host_baseline.peak_above(), self.host_baseline.describe()
         log.info("memory at step 2: predicted %.3g GiB per device, measured %.3g GiB (%s): %.2fx",
                  self.predicted_peak_gib, measured_gib, what, measured_gib / self.predicted_peak_gib)
 

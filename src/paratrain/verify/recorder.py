@@ -3,6 +3,9 @@ full parameters, and fingerprints of forward activations (to name the first modu
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from torch import nn
 
@@ -32,10 +35,27 @@ def full_tensors(model_parts, kind: str, scale: float = 1.0) -> dict[str, torch.
                 continue
             t = t.detach()
             if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
+                with _quiet_sequential_gathers():
+                    t = t.full_tensor()
             t = t.float().cpu().clone()
             out[hf_name(getattr(part, "module", part), clean_name(name))] = t / scale if scale != 1.0 else t
     return out
+
+
+def _drop_sequential_gathers(record: logging.LogRecord) -> bool:
+    return "sequential all_gather" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_sequential_gathers():
+    """DTensor warns that a weight FSDP and TP both split on dim 0 is gathered in two all-gathers in sequence, which
+    could order reductions differently on each rank: a gather reduces nothing, so every rank gets the same tensor."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger.addFilter(_drop_sequential_gathers)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_sequential_gathers)
 
 
 def fingerprinted(path: str) -> bool:
