@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--documents", type=int, default=4000)
     args = parser.parse_args()
-    from paratrain.interop.train_tokenizer import train_tokenizer
+    from paratrain.train.train_tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

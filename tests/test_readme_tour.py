@@ -72,7 +72,10 @@ def test_every_tour_line_runs_as_written_in_an_empty_directory(tmp_path, monkeyp
     workdir = tmp_path / "tour"
     workdir.mkdir()
     timings = []
+    needed = recording_optional_imports(monkeypatch)
     for line in tour():
+        if line.startswith("paratrain data tokenizer"):
+            needed.clear()  # the extras the intro names: what the lines need from here on
         t0 = time.perf_counter()
         plain = in_process(words(line))
         if plain is None:
@@ -100,3 +103,38 @@ def test_every_tour_line_runs_as_written_in_an_empty_directory(tmp_path, monkeyp
         assert code == 0, f"launch {other}: {err[-2000:]}"
     code, _, err = run_cli_inproc(["train", "--config", "my.toml", "--print-config"], cwd=workdir)
     assert code == 0, err  # the printed config reads back
+    from paratrain.interop.optional import EXTRA_OF
+
+    extras = {EXTRA_OF.get(module.split(".")[0]) for module in needed}
+    assert "data" in extras and extras <= tour_extras(), (sorted(needed), tour_extras())
+
+
+def tour_extras() -> set[str]:
+    """The extras the tour's intro says the lines from `data tokenizer` on need."""
+    found = re.search(r"From `data tokenizer` on it needs.*?`pip install -e '\.\[([a-z,]+)\]'`", README.read_text(),
+                      re.S)
+    return set(found.group(1).split(","))
+
+
+def recording_optional_imports(monkeypatch) -> set[str]:
+    """The optional modules (interop/optional.py's require) imported from now on, in this process."""
+    import importlib
+    import types
+
+    from paratrain.interop import optional
+
+    seen: set[str] = set()
+
+    def import_module(name: str):
+        seen.add(name)
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(optional, "importlib", types.SimpleNamespace(import_module=import_module))
+    return seen
+
+
+def test_the_extras_the_tour_names_exist():
+    import tomllib
+
+    declared = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert tour_extras() and tour_extras() <= set(declared)

@@ -89,7 +89,9 @@ TRAIN_OPTIONS: list[tuple[str, object, object]] = [
                                 "Parquet / Arrow / text files (globs, directories) with --tokenizer (docs/data.md)")),
     ("tokenizer", Optional[str], _opt(None, "--tokenizer", help="directory with a tokenizer.json: documents are "
                                       "tokenized on the fly")),
-    ("text_field", Optional[str], _opt(None, "--text-field", help="the documents' text column (default text)")),
+    ("text_field", Optional[str], _opt(None, "--text-field", help="the records' text column: NAME, or per source "
+                                       "SOURCE=NAME,SOURCE=NAME (SOURCE: a --data entry as written, or its file name "
+                                       "or stem); default text")),
     ("data_workers", Optional[int], _opt(None, "--data-workers", help="the data loader's worker processes per rank "
                                          "(default 1; N > 1 tokenize documents in turn; 0: load in the training process)")),
     ("pack", Optional[bool], _opt(None, "--pack/--no-pack", help="pack documents into rows with document masks "
@@ -327,6 +329,8 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
         emit_json(doc)
 
 
+TEXT_FIELD_HELP = ("the text column of JSON Lines / Parquet / Arrow records: NAME, or per file "
+                   "FILE=NAME,FILE=NAME (the file as given, or its name or stem); default text")
 data_app = typer.Typer(no_args_is_help=True,
                        help="Prepare training data: train a tokenizer, tokenize text into a token file.")
 app.add_typer(data_app, name="data")
@@ -338,12 +342,11 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each 
                  tokenizer: Path = typer.Option(..., "--tokenizer", help="a tokenizer.json or its directory"),
                  out: Path = typer.Option(..., "-o", "--out", help="the token file to write (tokens.bin)"),
                  eot: Optional[str] = typer.Option(None, "--eot", help="end-of-text token after each document"),
-                 text_field: str = typer.Option("text", "--text-field",
-                                                help="the text column of JSON Lines / Parquet / Arrow records"),
+                 text_field: str = typer.Option("text", "--text-field", help=TEXT_FIELD_HELP),
                  as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
     """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
     setup_cli_logging()
-    from paratrain.interop.prepare_tokens import prepare_tokens, sidecar_path
+    from paratrain.train.prepare_tokens import prepare_tokens, sidecar_path
 
     meta = prepare_tokens(tokenizer, files, out, eot, text_field=text_field)
     log.info("wrote %s: %s tokens (%s), %d document(s), vocab %d; sidecar %s", out, f"{meta['tokens']:,}",
@@ -353,17 +356,21 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each 
 
 
 @data_app.command("tokenizer")
-def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files to learn the vocabulary from"),
+def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files (each one a document), or JSON Lines "
+                                                      "/ Parquet / Arrow files (each record one) to learn from"),
                    out: Path = typer.Option(..., "-o", "--out", help="directory for the tokenizer.json"),
                    vocab_size: int = typer.Option(8192, "--vocab-size", help="at most this many tokens"),
+                   text_field: str = typer.Option("text", "--text-field", help=TEXT_FIELD_HELP),
                    as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
-    """Train a byte-level BPE tokenizer.json on your own text files (for `data prepare --tokenizer DIR`)."""
+    """Train a byte-level BPE tokenizer.json on your own documents, read as `train` reads them (for `data prepare
+    --tokenizer DIR` or `train --tokenizer DIR`)."""
     setup_cli_logging()
-    from paratrain.interop.train_tokenizer import train_tokenizer
+    from paratrain.train.train_tokenizer import train_tokenizer
 
-    doc = train_tokenizer(files, out, vocab_size)
-    log.info("wrote %s: byte-level BPE, vocab %d, trained on %d file(s) (%s bytes)", doc["tokenizer"],
-             doc["vocab_size"], len(doc["sources"]), f"{sum(s['bytes'] for s in doc['sources']):,}")
+    doc = train_tokenizer(files, out, vocab_size, text_field)
+    log.info("wrote %s: byte-level BPE, vocab %d, trained on %d document(s) of %d file(s) (%s bytes)",
+             doc["tokenizer"], doc["vocab_size"], sum(s["documents"] for s in doc["sources"]), len(doc["sources"]),
+             f"{sum(s['bytes'] for s in doc['sources']):,}")
     if as_json:
         emit_json(doc)
 

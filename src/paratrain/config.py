@@ -159,6 +159,14 @@ class TrainConfig(_WithDegrees):
             raise ValueError("contains a control or line-break character")
         return value
 
+    @field_validator("text_field")
+    @classmethod
+    def _text_field_forms(cls, value):
+        from paratrain.interop.text_fields import parse_text_field
+
+        parse_text_field(value)  # NAME or SOURCE=NAME,...: its UserError is the one line, from TOML or the CLI
+        return value
+
     def to_toml(self) -> str:
         lines = ["# paratrain train config (paratrain train --config FILE)"]
         for key, value in self.model_dump().items():

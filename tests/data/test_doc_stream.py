@@ -197,8 +197,8 @@ def test_data_prepare_takes_each_record_as_a_document(corpus, tmp_path):
     order the stream reads them (so the streamed and the pre-tokenized run see the same tokens)."""
     import json as _json
 
-    from paratrain.interop.prepare_tokens import prepare_tokens
     from paratrain.train.doc_stream import open_tokenizer
+    from paratrain.train.prepare_tokens import prepare_tokens
 
     meta = prepare_tokens(corpus["tok"], [corpus["a"], corpus["b"]], tmp_path / "t.bin")
     assert meta["documents"] == 120 + 80 and [s["documents"] for s in meta["sources"]] == [120, 80]
@@ -212,7 +212,7 @@ def test_data_prepare_takes_each_record_as_a_document(corpus, tmp_path):
 def test_a_prepared_token_file_mixes_as_its_documents(corpus, tmp_path):
     """'a.jsonl:0.6,b.bin:0.4' with b.bin = `data prepare` of b.parquet: the same global batches as the mixture of
     the Parquet file itself; a token file without its sidecar is refused."""
-    from paratrain.interop.prepare_tokens import prepare_tokens
+    from paratrain.train.prepare_tokens import prepare_tokens
 
     prepare_tokens(corpus["tok"], [corpus["b"]], tmp_path / "b.bin")
     streamed = make_train_data(cfg_for(corpus), 320).open()

@@ -112,7 +112,7 @@ def tokenized_qwen2_chain(tmp_path_factory):
     """A tied Qwen2 trained first on 300 documents (digits, punctuation) with a tokenizer `paratrain data
     tokenizer` trains on them, then from its export under tp (synthetic data). The model directory holds the same
     tokenizer.json, as a user keeps it beside the config."""
-    from paratrain.interop.train_tokenizer import train_tokenizer
+    from paratrain.train.train_tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("qwen2-tokenized")
     rng = random.Random(7)

@@ -116,6 +116,17 @@ def missing_path(draw):
 
 
 @st.composite
+def bad_mixture(draw):
+    """A --data mixture written wrong (issue 44): ';' between sources, '=' before a weight, a weight not a number."""
+    names = st.builds(str.__add__, st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=6),
+                      st.sampled_from([".jsonl", ".parquet", ".arrow", ".txt"]))
+    first, second = draw(names), draw(names)
+    spec = draw(st.sampled_from([f"{first}:0.7;{second}:0.3", f"{first}={draw(st.floats(0.01, 10)):g}",
+                                 f"{first}:0.5,{second}:{draw(not_numbers)}"]))
+    return [draw(commands), "--data", spec], None
+
+
+@st.composite
 def inconsistent(draw):
     kind = draw(st.sampled_from(["batch", "ckpt", "degrees", "heads"]))
     if kind == "batch":
@@ -203,6 +214,7 @@ cases = st.one_of(
     bad_choice(),
     unknown_flag(),
     missing_path(),
+    bad_mixture(),
     inconsistent(),
     bad_toml(),
     bad_launch(),
@@ -256,6 +268,8 @@ def test_bad_input_exits_2_with_one_line(monkeypatch):
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), f"{where}: stderr was\n{stderr}"
         assert "Traceback" not in stderr
+        if argv[1] == "--data" and set(argv[2]) & set(":;="):  # a mixture written wrong shows how to write one
+            assert "a mixture is written A:w,B:w" in lines[0], f"{where}: {lines[0]}"
         assert left == (["bad.toml"] if toml_text is not None else []), f"{where}: wrote {left}"
         seen.append(where)
 

@@ -22,7 +22,7 @@ from paratrain import cli
 from paratrain.config import TrainConfig
 from reliability.inproc import run_cli_inproc
 
-CASES = {"flags": 100, "toml": 80, "manifest": 30}  # 210 in all
+CASES = {"flags": 100, "toml": 80, "manifest": 30, "data": 16}  # 226 in all
 SEEN: dict[str, int] = {}
 
 WEIRD = ["", " ", "\x00", "a\nb", "a\rb", "a\u2028b", "a\u0085b", "a\u2029b", "\x1b[31m", "$(touch pwned)", "`id`",
@@ -222,6 +222,57 @@ def test_fuzz_checkpoint_manifests(good_checkpoints, tmp_path):
 
     run()
     assert SEEN.get("manifest", 0) >= CASES["manifest"]
+
+
+# document sources for --data (issue 44): good ones, and the kinds a new user met
+DOC_FILES = {"good.jsonl": b'{"text": "the cat sat on a mat"}\n' * 4, "other.jsonl": b'{"body": "a dog ran"}\n',
+             "empty.jsonl": b"", "blank.jsonl": b"\n\n", "bad.parquet": b"PAR1 not a parquet file", "bad.txt": b"\xff\xfe\n"}
+WEIGHTS = ["", ":0.5", ":2", ":x", "=0.5", ":0", ":nan"]
+
+
+@st.composite
+def data_cases(draw):
+    names = draw(st.lists(st.sampled_from(sorted(DOC_FILES)), min_size=1, max_size=3))
+    spec = draw(st.sampled_from([",", ";"])).join(name + draw(st.sampled_from(WEIGHTS)) for name in names)
+    return spec, draw(st.sampled_from([[], ["--text-field", "other=body"], ["--text-field", "good=text,other.jsonl=body"],
+                                       ["--text-field", "=x"], ["--no-pack"]]))
+
+
+@pytest.mark.timeout(240)
+def test_fuzz_document_sources(tmp_path):
+    """--data mixtures of good and bad document files. Besides check(): an exit 2 prints its one line and nothing
+    else (a corrupted Parquet file's was printed three times), and a mixture written wrong shows how to write one."""
+    from paratrain.train.train_tokenizer import train_tokenizer
+
+    (tmp_path / "words.txt").write_text("the cat sat on a mat while a dog ran\n" * 20)
+    tok = train_tokenizer([tmp_path / "words.txt"], tmp_path / "tok", 300)["tokenizer"]
+
+    @settings(max_examples=CASES["data"], **FUZZ)
+    @given(case=data_cases())
+    @example(case=("empty.jsonl", []))  # issue 44: a traceback
+    @example(case=("good.jsonl:0.5,empty.jsonl:0.5", []))
+    @example(case=("bad.parquet", []))  # issue 44: the line printed three times
+    @example(case=("good.jsonl:0.7;other.jsonl:0.3", []))  # issue 44: "no such file", no syntax shown
+    @example(case=("good.jsonl=0.7", []))
+    @example(case=("good.jsonl:x", []))
+    @example(case=("good.jsonl:0.6,other.jsonl:0.4", ["--text-field", "other=body"]))  # trains: each its own field
+    def run(case):
+        spec, extra = case
+        work = Path(tempfile.mkdtemp(dir=tmp_path))
+        for name, content in DOC_FILES.items():
+            (work / name).write_bytes(content)
+        argv = ["train", *SMALL_RUN, "--data", spec, "--tokenizer", tok, "--vocab-size", "320", *extra]
+        code, _, err = run_cli_inproc(argv, cwd=work)
+        check("data", argv, work, sorted(DOC_FILES) if code == 2 else listing(work))
+        if extra == ["--text-field", "other=body"] and set(spec.split(",")) == {"good.jsonl:0.6", "other.jsonl:0.4"}:
+            assert code == 0, err
+        if code == 2:
+            assert len(err.strip().splitlines()) == 1, f"{spec} {extra}:\n{err}"
+            if (";" in spec or "=0" in spec or ":x" in spec) and "=x" not in extra:  # (a config error comes first)
+                assert "a mixture is written A:w,B:w" in err, f"{spec}: {err}"
+
+    run()
+    assert SEEN.get("data", 0) >= CASES["data"]
 
 
 def test_at_least_200_cases_in_all():

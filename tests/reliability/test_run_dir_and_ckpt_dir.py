@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.train.data import uniform_hash
+from paratrain.train.counter_hash import uniform_hash
 from reliability.inproc import run_cli_inproc
 
 SMALL = ["--strategy", "single", "--seq-len", "8", "--global-batch", "1", "--no-metrics"]

@@ -57,11 +57,14 @@ def test_the_vocabulary_stops_where_the_text_has_nothing_left_to_merge(cli_inpro
     (["a.txt", "--vocab-size", "100", "-o", "tok"], "--vocab-size 100: give 257"),
     (["missing.txt", "-o", "tok"], "input file not found: missing.txt"),
     (["a.txt", "-o", "a.txt"], "-o a.txt: exists and is not a directory"),
-    (["bad.txt", "-o", "tok"], "cannot train a tokenizer on bad.txt"),
+    (["bad.txt", "-o", "tok"], "bad.txt: cannot read it: 'utf-8' codec can't decode byte 0xff"),
+    (["empty.txt", "-o", "tok"], "empty.txt: holds no documents (the file is empty)"),
+    (["a.txt", "-o", "tok", "--text-field", "b.txt=body"], "b.txt names none of the sources (a.txt)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli_inproc, tmp_path, args, message):
     (tmp_path / "a.txt").write_text("some text\n")
     (tmp_path / "bad.txt").write_bytes(b"not utf-8: \xff\xfe\n")
+    (tmp_path / "empty.txt").write_bytes(b"")
     res = cli_inproc("data", "tokenizer", *args)
     assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "tok").exists()

@@ -9,8 +9,8 @@ the model type is in UNGATED, the GELU two-matrix MLP of GPT-2 and its kin.
 from __future__ import annotations
 
 from paratrain.errors import UserError
+from paratrain.models.head_dim import head_dim_of
 from paratrain.models.hf_model import hf_config_object
-from paratrain.models.hf_shape import head_dim_of
 from paratrain.models.llama import ModelArgs
 
 UNGATED = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "phi", "falcon", "starcoder2", "bloom")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
+from paratrain.models.head_dim import head_dim_of
 from paratrain.models.hf_files import read_hf_config
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")  # qwen2: + q/k/v biases, a rounding error in the count
@@ -28,21 +29,6 @@ def _need(doc: dict, key: str, where: str):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise UserError(f"{where}: {key!r} must be a positive integer, got {value!r}")
     return value
-
-
-def head_dim_of(value, dim: int, heads: int, where: str) -> int | None:
-    """The config's head_dim (`value`) when heads x head_dim is not hidden_size (Qwen3, GPT-OSS, GLM-4.5: the
-    query is that wide, not the residual), else None; refused when neither gives heads of an even size (RoPE)."""
-    if value is None:
-        if dim % heads:
-            raise UserError(f"{where}: hidden_size {dim} does not split into {heads} heads and the config gives no "
-                            "head_dim")
-        value = dim // heads
-    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{where}: 'head_dim' must be a positive integer, got {value!r}")
-    if value % 2:
-        raise UserError(f"{where}: heads of {value} (head_dim) must have an even size for rotary positions")
-    return None if value * heads == dim else value
 
 
 def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None = None,

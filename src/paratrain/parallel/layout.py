@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from paratrain.errors import UserError
 from paratrain.parallel.dims import dim_named, dims_in_mesh_order, mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE
+from paratrain.parallel.strategy_table import STRATEGY_TABLE
 
 log = logging.getLogger("paratrain")
 
@@ -52,8 +53,6 @@ def subdivision_problem(degrees: dict[str, int]) -> str | None:
 def _ways_to_subdivide(dim, degree: int) -> str:
     """The options that give a dim that adds no ranks some to split: the strategies that fill it, or its first
     `within` dim set to a multiple of its degree."""
-    from paratrain.parallel.strategies import STRATEGY_TABLE  # it imports this module
-
     ways = [f"--strategy {name}" for name, row in STRATEGY_TABLE.items() if row.fills == dim.name]
     ways.append(f"{dim_named(dim.within[0]).flag} N with N a multiple of {degree}")
     return f"give it ranks to split with {' or '.join(ways)}"

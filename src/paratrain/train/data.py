@@ -15,24 +15,7 @@ import numpy as np
 import torch
 
 from paratrain.errors import UserError
-
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a counter-based hash, so any sample can be drawn without its neighbours."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (x ^ (x >> np.uint64(31))) & _MASK64
-
-
-def uniform_hash(seed: int, index: np.ndarray, stream: int | np.ndarray) -> np.ndarray:
-    """Uniform [0, 1) per (index, stream); `stream` may be an array that broadcasts against `index`."""
-    with np.errstate(over="ignore"):
-        key = (index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-               + (np.uint64(seed * 1000003) + np.asarray(stream, dtype=np.uint64)))
-    return (_mix(_mix(key)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+from paratrain.train.counter_hash import uniform_hash
 
 
 @dataclass
@@ -126,7 +109,7 @@ class TokenFile:
             raise UserError(f"data file not found: {path}")
         self.meta = None
         if p.suffix == ".bin":
-            from paratrain.interop.prepare_tokens import read_sidecar, sidecar_path
+            from paratrain.train.prepare_tokens import read_sidecar, sidecar_path
 
             self.meta = read_sidecar(p)
             if self.meta is not None and self.meta["vocab_size"] > vocab_size:

@@ -34,7 +34,6 @@ class StreamConfig:
     seq_len: int
     seed: int = 0
     pack: bool = True
-    text_field: str = "text"
     part: str = "all"  # 'train' / 'val' with val_fraction: which documents of each source (doc_sources.py)
     val_fraction: float = 0.0
 
@@ -67,21 +66,21 @@ def stream_config(spec: str, tokenizer: str | None, seq_len: int, seed: int, pac
                   text_field: str = "text", part: str = "all", val_fraction: float = 0.0) -> StreamConfig:
     if not tokenizer:
         raise UserError(f"--data {spec} holds documents to tokenize: give --tokenizer DIR (a tokenizer.json)")
-    return StreamConfig(parse_sources(spec), tokenizer, seq_len, seed, pack, text_field, part, val_fraction)
+    return StreamConfig(parse_sources(spec, text_field), tokenizer, seq_len, seed, pack, part, val_fraction)
 
 
 def open_source(spec: SourceSpec, cfg: StreamConfig, part: str = "all"):
     """A source's reader: documents as text (DocumentSource), or already tokenized (a token .bin)."""
     if spec.fmt == "tokens":
-        from paratrain.interop.prepare_tokens import tokenizer_file
+        from paratrain.train.prepare_tokens import tokenizer_file
 
         return TokenDocuments(spec, tokenizer_file(cfg.tokenizer), cfg.seed, part, cfg.val_fraction)
-    return DocumentSource(spec, cfg.text_field, cfg.seed, part, cfg.val_fraction)
+    return DocumentSource(spec, cfg.seed, part, cfg.val_fraction)
 
 
 def open_tokenizer(path: str):
     """(tokenizer, its end-of-text id, its vocabulary size)."""
-    from paratrain.interop.prepare_tokens import load_tokenizer, pick_eot
+    from paratrain.train.prepare_tokens import load_tokenizer, pick_eot
 
     _, tok = load_tokenizer(path)
     eot = pick_eot(tok, None)
@@ -105,7 +104,7 @@ class DocumentReader:
         self.draws = state.draws
 
     def source_of(self, draw: int) -> int:
-        from paratrain.train.data import uniform_hash
+        from paratrain.train.counter_hash import uniform_hash
 
         if len(self.cdf) == 1:
             return 0

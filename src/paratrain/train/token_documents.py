@@ -16,7 +16,7 @@ from paratrain.train.doc_sources import SourceSpec, held_out
 class TokenDocuments:
     def __init__(self, spec: SourceSpec, tokenizer_file: Path | None = None, seed: int = 0, part: str = "all",
                  fraction: float = 0.0):
-        from paratrain.interop.prepare_tokens import read_sidecar, sidecar_path
+        from paratrain.train.prepare_tokens import read_sidecar, sidecar_path
 
         self.spec, self.seed, self.part, self.fraction = spec, seed, part, fraction
         self.files = []

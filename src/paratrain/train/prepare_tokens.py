@@ -129,45 +129,28 @@ def input_files(files: list[str | Path], command: str) -> list[Path]:
     return paths
 
 
-RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+def documents_of(spec, chunk_chars: int):
+    """A file's documents, each as text pieces: every record of a JSON Lines / Parquet / Arrow file, read as
+    `train` reads it (train/doc_sources.py), or the whole of any other file (in chunks)."""
+    from paratrain.train.doc_sources import DocumentSource
 
-
-def record_texts(path: Path, text_field: str):
-    """Each record's `text_field` of a JSON Lines / Parquet / Arrow file, streamed through `datasets` (local)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    datasets = require("datasets", f"data prepare on {path.suffix} files")
-    datasets.disable_progress_bars()
-    try:
-        rows = datasets.load_dataset(RECORD_FORMATS[path.suffix.lower()], data_files=[str(path)], split="train",
-                                     streaming=True)
-        for row in rows:
-            if not isinstance(row.get(text_field), str):
-                raise UserError(f"{path}: a record has no text field {text_field!r} (it has "
-                                f"{', '.join(sorted(row)) or 'none'}); name it with --text-field")
-            yield row[text_field]
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the library raises many types for an unreadable file
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
-
-
-def documents_of(path: Path, chunk_chars: int, text_field: str):
-    """A file's documents, each as text pieces: every record of a JSON Lines / Parquet / Arrow file, or the
-    whole of any other file (in chunks)."""
-    if path.suffix.lower() in RECORD_FORMATS:
-        for text in record_texts(path, text_field):
+    if spec.fmt != "text":
+        for text in DocumentSource(spec).texts():
             yield [text]
     else:
-        yield read_chunks(path, chunk_chars)
+        yield read_chunks(Path(spec.pattern), chunk_chars)
 
 
 def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Path, eot: str | None = None,
                    progress: bool | None = None, chunk_chars: int = CHUNK_CHARS, text_field: str = "text") -> dict:
     """Tokenize `files` into `out` (flat uint16/uint32) and write the sidecar; returns the sidecar dict. A JSON
-    Lines / Parquet / Arrow file holds one document per record (its `text_field`); any other file is one."""
+    Lines / Parquet / Arrow file holds one document per record (its `text_field`: NAME or SOURCE=NAME,...);
+    any other file is one."""
+    from paratrain.train.doc_sources import file_sources
+
     tok_file, tok = load_tokenizer(tokenizer)
     paths = input_files(files, "data prepare")
+    specs = file_sources(paths, text_field)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 65536 else np.uint32
     eot_id = pick_eot(tok, eot)
@@ -180,9 +163,9 @@ def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Pa
     count, sources, documents = 0, [], 0
     try:
         with partial.open("wb") as f:
-            for p in paths:
+            for p, spec in zip(paths, specs):
                 n_before, docs_before = count, documents
-                for pieces in documents_of(p, chunk_chars, text_field):
+                for pieces in documents_of(spec, chunk_chars):
                     for chunk in pieces:
                         ids = np.asarray(tok.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
                         ids.tofile(f)
@@ -197,6 +180,9 @@ def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Pa
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    except BaseException:  # a bad input file part-way (one error line) leaves nothing behind
+        partial.unlink(missing_ok=True)
+        raise
     finally:
         bar.close()
     meta = {"format": FORMAT, "version": 1, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokens": count,
