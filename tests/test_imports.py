@@ -1,12 +1,16 @@
 """Imports go one way: no import circle between files of src/, and packages only import those below them
 (cli -> bench/doctor/launchers/verify/convert -> calibrate -> plan -> train -> parallel -> models), as docs/architecture.md
-says; and no module reaches a leading-underscore name of another paratrain module. Walks the source with ast
-(nothing is imported)."""
+says; no module reaches a leading-underscore name of another paratrain module; no string names another
+package's code; nothing reads or patches a private attribute it does not own, nor issues a torch.distributed
+collective around the collective door, beyond the allow-lists below, each entry with its reason. Walks the
+source with ast (no paratrain module is imported; only the non-paratrain base classes a class overrides)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import source_rules
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
@@ -163,3 +167,179 @@ def test_the_checker_sees_private_names_and_patches():
     # a module's own private names and globals are its own business
     own = "from paratrain.plan.tracing.trace import _quiet\nimport paratrain.plan.tracing.trace as t\nt._quiet\nt.X = 1"
     assert foreign_uses(own, "paratrain.plan.tracing.trace", modules) == []
+
+
+# -- strings naming code, private reaches, the collective door (tests/source_rules.py) --------------------------
+def findings(check) -> dict[str, str]:
+    """{"path: what": "path:LINE: what" of its first line} over src/, `check(source, module)` giving "LINE: what"."""
+    out: dict[str, str] = {}
+    for name, path in sorted(module_files().items()):
+        rel = path.relative_to(SRC).as_posix()
+        for where in check(path.read_text(), name):
+            line, _, what = where.partition(": ")
+            out.setdefault(f"{rel}: {what}", f"{rel}:{line}: {what}")
+    return out
+
+
+def allowed(groups: dict[tuple[str, ...], str]) -> dict[str, str]:
+    return {entry: reason for entries, reason in groups.items() for entry in entries}
+
+
+ISSUE_45_COST = "moves with issue 45's cost objects"
+ALLOWED_STRING_REFERENCES = allowed({
+    tuple(f"parallel/dims.py: names paratrain.plan.costing.time:{f}" for f in
+          ("chunk_time", "data_parallel_comm", "moe_all_to_all", "pipeline_factor")): ISSUE_45_COST,
+    ("launchers/common.py: names paratrain.cli",):
+        "the command a generated job script runs (python -m paratrain.cli): a program started, not code called",
+})
+
+TORCH_GROUPED_MM = "torch's grouped GEMM has no public name in torch 2.13; used only where grouped_mm_supported()"
+CHECKPOINT_WRAPPER = "torch's checkpoint_wrapper exposes the wrapped block only as _checkpoint_wrapped_module"
+PG_TIMEOUT = "a process group's timeout is readable and settable only through its backend options' _timeout"
+MESH_FLATTEN = "DeviceMesh's flattened dims (dp_cp, dp) have no public constructor in torch 2.13 (torchtitan uses _flatten too)"
+ALLOWED_REACHES = allowed({
+    ("parallel/data_parallel.py: overrides ZeroRedundancyOptimizer._broadcast_params_from_rank",):
+        "ZeRO-1's post-step parameter broadcast, routed through the collective door; torch has no public hook there",
+    tuple(f"models/{f}: overrides {base}._apply" for f, base in (
+        ("hf_moe.py", "ParallelStyle"), ("hf_tp_plan.py", "ParallelStyle"), ("tp_styles.py", "ParallelStyle"),
+        ("tp_styles.py", "RowwiseParallel"), ("tp_styles.py", "ColwiseParallel"))):
+        "torch's ParallelStyle contract: a custom style implements _apply (parallelize_module calls it)",
+    ("models/hf_moe.py: reads torch._grouped_mm", "models/moe.py: reads torch._grouped_mm"): TORCH_GROUPED_MM,
+    ("models/hf_moe.py: reads module._apply_gate",):
+        "transformers' MoE experts keep their gated activation in _apply_gate: called so the math stays theirs",
+    ("models/hf_model.py: reads model._no_split_modules", "convert/hf_model_export.py: reads model._tied_weights_keys"):
+        "transformers' per-architecture declarations (decoder block class, tied weights) exist only under these names",
+    ("models/hf_model.py: patches self.hf.config._attn_implementation",):
+        "transformers selects a registered attention function through config._attn_implementation",
+    ("cli.py: reads os._exit",): "Python's documented immediate exit (os._exit)",
+    ("parallel/activation_checkpoint.py: reads block._checkpoint_wrapped_module",
+     "parallel/compile.py: reads block._checkpoint_wrapped_module"): CHECKPOINT_WRAPPER,
+    ("parallel/activation_checkpoint.py: reads nn.modules.dropout._DropoutNd",):
+        "the common base of torch's dropout modules; a tuple of the public ones would drift with torch",
+    ("parallel/activation_checkpoint.py: reads torch.ops._c10d_functional",):
+        "the functional collectives' op namespace is private; selective AC must name reduce_scatter_tensor's op",
+    ("parallel/compile.py: reads block._orig_mod", "parallel/compile.py: reads inner._compiled_call_impl"):
+        "torch.compile marks a compiled module only through _orig_mod (OptimizedModule) / _compiled_call_impl",
+    ("parallel/layout.py: reads mesh[present]._flatten", "parallel/layout.py: reads parent._flatten",
+     "parallel/layout.py: reads parent._unflatten", "parallel/layout.py: reads split._flatten"): MESH_FLATTEN,
+    ("parallel/layout.py: patches options._timeout", "parallel/layout.py: reads default._get_backend",
+     "parallel/layout.py: reads default._get_backend(torch.device(device_type)).options._timeout",
+     "parallel/layout.py: reads dist.ProcessGroupGloo._Options",
+     "parallel/layout.py: reads dist.distributed_c10d._get_default_group",
+     "parallel/tied_weights.py: reads pp_mesh.get_group()._get_backend",
+     "parallel/tied_weights.py: reads pp_mesh.get_group()._get_backend(torch.device(device_type)).options._timeout"):
+        PG_TIMEOUT,
+    ("train/flight_recorder.py: reads torch._C._distributed_c10d._dump_fr_trace_json",):
+        "PyTorch's flight recorder is dumped only through this binding (torch's own fr_trace tool uses it)",
+    ("train/memory_snapshot.py: reads torch.cuda.memory._record_memory_history",
+     "train/memory_snapshot.py: reads torch.cuda.memory._dump_snapshot"):
+        "torch's documented memory-snapshot API (docs: 'Understanding CUDA Memory Usage') has only these names",
+    ("train/process_control.py: reads forkserver._forkserver", "train/process_control.py: reads resource_tracker._resource_tracker",
+     "train/process_control.py: reads forkserver._forkserver._forkserver_pid",
+     "train/process_control.py: reads resource_tracker._resource_tracker._pid"):
+        "multiprocessing's helper processes are known only by these pids: they must be told from our own children",
+    ("train/replica_transport.py: overrides HTTPTransport._load_from_address",):
+        "torchft's peer-checkpoint load, replaced to load weights_only (torchft's own unpickles)",
+    ("train/replica_transport.py: reads transport._server",):
+        "torchft builds its request handler inside __init__: silencing its access log goes through the server",
+    ("verify/recorder.py: reads torch._C._current_graph_task_id",):
+        "the only way to tell a checkpoint's recomputed forward (inside backward) from a new one",
+})
+
+CALIBRATION = "calibration times the raw collective and synchronizes its timing ranks; no training step runs there"
+TOOL_REPORT = "a tool gathers its report or aligns its ranks outside training steps, where no interceptor aims"
+ALLOWED_OUTSIDE_THE_DOOR = allowed({
+    tuple(f"calibrate/{f}: dist.{op}" for f, op in (
+        ("harness.py", "all_gather_object"), ("harness.py", "all_reduce"), ("harness.py", "barrier"),
+        ("microbench.py", "all_reduce"), ("microbench.py", "all_to_all_single"), ("microbench.py", "barrier"),
+        ("microbench.py", "batch_isend_irecv"), ("microbench.py", "broadcast"), ("save_profile.py", "barrier"),
+        ("timing.py", "all_reduce"), ("timing.py", "barrier"))): CALIBRATION,
+    ("doctor/capture.py: dist.gather_object", "doctor/counterfactual.py: dist.barrier",
+     "verify/parity.py: dist.gather_object"): TOOL_REPORT,
+})
+
+
+def unexplained(found: dict[str, str], allow: dict[str, str]) -> list[str]:
+    return [where for key, where in found.items() if key not in allow]
+
+
+def test_no_string_names_another_packages_code():
+    names = set(module_files())
+    found = findings(lambda source, module: source_rules.string_references(source, module, names, layer_of))
+    assert not unexplained(found, ALLOWED_STRING_REFERENCES), "\n".join(unexplained(found, ALLOWED_STRING_REFERENCES))
+    assert set(ALLOWED_STRING_REFERENCES) <= set(found), set(ALLOWED_STRING_REFERENCES) - set(found)
+
+
+def test_no_module_reads_or_patches_privates_it_does_not_own():
+    found = findings(lambda source, module: source_rules.private_reaches(source))
+    assert not unexplained(found, ALLOWED_REACHES), "\n".join(unexplained(found, ALLOWED_REACHES))
+    assert set(ALLOWED_REACHES) <= set(found), set(ALLOWED_REACHES) - set(found)  # the list stays true
+
+
+def test_collectives_go_through_the_door():
+    found = findings(lambda source, module: source_rules.collectives_outside_the_door(source))
+    assert not unexplained(found, ALLOWED_OUTSIDE_THE_DOOR), "\n".join(unexplained(found, ALLOWED_OUTSIDE_THE_DOOR))
+    assert set(ALLOWED_OUTSIDE_THE_DOOR) <= set(found), set(ALLOWED_OUTSIDE_THE_DOOR) - set(found)
+
+
+PLANTED_REFERENCES = '''
+COST = "paratrain.plan.costing.time:chunk_time"
+SAME = "paratrain.parallel.checks:check_tp"
+BELOW = "paratrain.models"
+ABOVE = "paratrain.cli"
+LOGGER = "paratrain.forward_backward"
+'''
+
+PLANTED_REACHES = '''
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage
+from paratrain.plan.tracing.tracker import LiveTensorTracker
+
+
+class Zero(ZeroRedundancyOptimizer):
+    def _broadcast_params_from_rank(self, rank):
+        return self._partition_parameters()
+
+    def _helper(self):
+        return super()._helper()
+
+
+class Own:
+    _cache = None
+
+
+def f(stage, tracker: LiveTensorTracker, own: Own, x):
+    stage._compute_outputs = f
+    PipelineStage._compute_outputs = f
+    setattr(torch.nn.Module, "_call_impl", f)
+    live = tracker._live
+    getattr(x, "_hidden", None)
+    return torch._C._get_tracing_state, own._cache, Own._cache, x.public
+'''
+
+PLANTED_DOOR = '''
+import functools
+import torch.distributed as dist
+from paratrain.parallel.collective_hooks import collective
+
+
+def f(t, group):
+    dist.all_reduce(t)
+    collective("loss", "dp", "all_reduce", group, lambda: dist.all_reduce(t, group=group), (t,))
+    collective("x", "dp", "broadcast", group, functools.partial(dist.broadcast, t, src=0), (t,))
+    dist.get_rank()
+    return [dist.P2POp(dist.isend, t, 1)], dist.batch_isend_irecv([])
+'''
+
+
+def test_the_checkers_see_string_references_private_reaches_and_bypassed_collectives():
+    names = set(module_files())
+    assert source_rules.string_references(PLANTED_REFERENCES, "paratrain.parallel.dims", names, layer_of) == [
+        "2: names paratrain.plan.costing.time:chunk_time", "5: names paratrain.cli"]
+    assert sorted(source_rules.private_reaches(PLANTED_REACHES), key=lambda s: int(s.split(":")[0])) == [
+        "9: overrides ZeroRedundancyOptimizer._broadcast_params_from_rank",
+        "21: patches stage._compute_outputs", "22: patches PipelineStage._compute_outputs",
+        "23: patches torch.nn.Module._call_impl", "24: reads tracker._live", "25: reads x._hidden",
+        "26: reads torch._C._get_tracing_state"]
+    assert source_rules.collectives_outside_the_door(PLANTED_DOOR) == ["8: dist.all_reduce", "12: dist.batch_isend_irecv"]

@@ -141,3 +141,32 @@ def test_trainer_calls_each_step_point_once_per_step_in_order(monkeypatch):
     assert events[0] == "parallelized 1" and events[1] == "batch 0"
     assert [e for e in events if not e.startswith(("batch", "parallelized"))] == \
         step + ["after step 1"] + step + ["after step 2"], events
+
+
+def test_context_parallel_all_to_all_passes_the_door(monkeypatch):
+    """Ulysses' all-to-all (parallel/cp_comm.py) reaches an interceptor named "cp_ulysses" over "cp", with the
+    tensors it moves; a world of one rank, in this process."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    from paratrain.parallel.ulysses import ulysses_attention
+    from paratrain.train.runtime import init_runtime, shutdown
+
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    seen = []
+
+    def on_collective(call, proceed):
+        seen.append((call.purpose, call.dim, call.op, tuple(t.shape for t in call.tensors)))
+        return proceed()
+
+    init_runtime("cpu", 60)
+    handle = Hooks().on_collective(on_collective)
+    try:
+        out = ulysses_attention(q, k, v, None)
+    finally:
+        handle.remove()
+        shutdown()
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, reference, atol=1e-5)
+    assert seen and {s[:3] for s in seen} == {("cp_ulysses", "cp", "all_to_all")}
+    assert all(len(shapes) == 2 and shapes[0] == shapes[1] for *_, shapes in seen)

@@ -16,7 +16,7 @@ layer's router logits, added when the config sets `output_router_logits` (as tra
 loss then, and only then). Its routed-copy fractions are counted over all data ranks (`reduce_counts`, the
 all-reduce parallel/expert_parallel.py installs), as paratrain's own MoE counts them, so a layout computes what
 one device computes; each rank's mean router probabilities are averaged like the language-model loss. As for
-paratrain's own MoE it rides on the backward (`_AddAuxLoss`): the reported loss is the next-token loss. Without
+paratrain's own MoE it rides on the backward (`AddAuxLoss`): the reported loss is the next-token loss. Without
 `output_router_logits`, `reduce_counts` is None: the router's counts never leave the rank.
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from paratrain.models.moe import (
-    _AddAuxLoss,
+    AddAuxLoss,
     grouped_mm_inputs,
     grouped_mm_supported,
     identity_counts,
@@ -105,7 +105,7 @@ def add_balancing_loss(hf_model: nn.Module, logits: torch.Tensor, router_logits,
         probs = probs + p.sum(0)
     total = carrier.reduce_counts(counts)
     aux = coef * n_experts * (total[:n_experts] / total[n_experts] * probs / counts[n_experts]).sum()
-    return _AddAuxLoss.apply(logits, aux, carrier.aux_scale, None)
+    return AddAuxLoss.apply(logits, aux, carrier.aux_scale, None)
 
 
 def grouped_swiglu(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,7 @@ def local_dispatch(x: torch.Tensor, tokens: torch.Tensor, experts_ids: torch.Ten
     return combine(permute(y, inverse, order), gates, tokens, x.shape[0], top_k)
 
 
-class _AddAuxLoss(torch.autograd.Function):
+class AddAuxLoss(torch.autograd.Function):
     """Passes `out` (the gates) through; in backward, adds the balancing loss's gradient (weight `scale`) and
     applies the bias update once per backward (not again when activation checkpointing replays the forward)."""
 
@@ -184,7 +184,7 @@ class MoE(nn.Module):
             f = counts / tokens_total.clamp(min=1)
             aux = self.aux_coeff * self.n_experts * (f * probs.mean(0)).sum()
             update = (lambda: self._update_bias(counts)) if self.bias_rate > 0 else None
-            gates = _AddAuxLoss.apply(gates, aux, self.aux_scale, update)
+            gates = AddAuxLoss.apply(gates, aux, self.aux_scale, update)
         dropless = tokens.numel() == x.shape[0] * self.top_k
         out = self.dispatch(routed_input(x), tokens, experts_ids, gates, self.experts, self.n_experts,
                             self.top_k if dropless else 0)

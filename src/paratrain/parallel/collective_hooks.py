@@ -1,7 +1,8 @@
 """The one door paratrain's own collectives go through, so a registered interceptor can delay, drop or alter one.
 
 Each of paratrain's collectives (the trainer's loss all-reduce, the pipeline's loss broadcast, the grad-norm
-all-reduce over pipeline stages, ZeRO-1's parameter broadcast, ...) is issued as
+all-reduce over pipeline stages, ZeRO-1's parameter broadcast, context parallelism's ring shifts and all-to-alls,
+the checkpoints' barriers, ...; docs/hooks.md lists them) is issued as
 
     collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(t, group=group), tensors=(t,))
 
@@ -12,7 +13,8 @@ or a test registered one: train/hooks.py, docs/hooks.md) it only calls `run`. An
 before or after it. Interceptors act process-wide: a collective deep inside an optimizer or an attention
 function knows no trainer. Collectives issued inside torch (DDP's bucket all-reduces, FSDP's all-gathers,
 DTensor's redistributions) do not pass here; they are reached through the trainer's after_parallelize hook, and
-PyTorch's flight recorder sees them at the process-group level (train/flight_recorder.py).
+PyTorch's flight recorder sees them at the process-group level (train/flight_recorder.py). tests/test_imports.py
+fails on a torch.distributed collective called anywhere else, beyond its allow-list.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Collective:
     """What an interceptor sees: one call of one of paratrain's collectives."""
 
     purpose: str  # "loss", "grad_norm", "zero1_params", "zero1_state", ...
-    dim: str  # the mesh dimension(s) it runs over: "dp", "dp_cp", "pp", "tp", "cp", "ep", ...
+    dim: str  # the mesh dimension(s) it runs over: "dp", "dp_cp", "pp", "tp", "cp", "ep", "world", "replicas"
     op: str  # "all_reduce", "broadcast", "all_gather", "all_to_all", ...
     group: Any  # its torch ProcessGroup
     tensors: tuple  # the tensors it reads and writes

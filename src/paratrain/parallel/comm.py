@@ -158,7 +158,7 @@ class _CountingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         table = _NAMESPACES.get(getattr(func, "namespace", ""))
         if table is not None:
-            spec = table.get(func._overloadpacket.__name__)
+            spec = table.get(func.overloadpacket.__name__)
             if spec is not None:
                 category, index, times_group = spec
                 size = _group_size(args, kwargs)

@@ -1,8 +1,10 @@
 """The communication of a context-parallel group, as ring and Ulysses attention use it.
 
-Attention takes a process group or a CPComm. GroupComm runs the collectives of a torch.distributed group;
-the planner passes its own CPComm, which allocates what a transfer receives without sending anything and
-uses the step and tile hooks to trace alike ring steps and row tiles once.
+Attention takes a process group or a CPComm. GroupComm runs the collectives of a torch.distributed group,
+through the collective door (parallel/collective_hooks.py): the ring's K/V and dK/dV shifts as "cp_ring" and
+Ulysses' all-to-alls as "cp_ulysses", both over "cp". The planner passes its own CPComm, which allocates what a
+transfer receives without sending anything and uses the step and tile hooks to trace alike ring steps and row
+tiles once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+from paratrain.parallel.collective_hooks import collective
 
 
 class CPComm:
@@ -50,10 +54,13 @@ class GroupComm(CPComm):
         recv = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=tag),
                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
-        return recv, dist.batch_isend_irecv(ops)
+        works = collective("cp_ring", "cp", "send_recv", self.group, lambda: dist.batch_isend_irecv(ops),
+                           (tensor, recv))
+        return recv, [] if works is None else works  # an interceptor's None: nothing sent, nothing to wait on
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_to_all_single(out, inp, group=self.group)
+        collective("cp_ulysses", "cp", "all_to_all", self.group,
+                   lambda: dist.all_to_all_single(out, inp, group=self.group), (inp, out))
 
 
 def cp_comm(group) -> CPComm:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -219,6 +220,14 @@ def shares_parameters(module: nn.Module, others: list[nn.Module]) -> bool:
     return any(id(p) in mine for m in others for p in m.parameters())
 
 
+_unsharded_bytes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> bytes, its last forward's
+
+
+def unsharded_bytes_held(module: nn.Module) -> int:
+    """The bytes of unsharded parameters `module` held after its last forward (0 unless tracked: ZeRO-2)."""
+    return _unsharded_bytes.get(module, 0)
+
+
 def track_unsharded_params(model: nn.Module, mesh) -> None:
     """Record the bytes of unsharded parameters FSDP keeps from forward to backward (ZeRO-2), per step."""
     from torch.distributed.tensor import DTensor
@@ -230,7 +239,7 @@ def track_unsharded_params(model: nn.Module, mesh) -> None:
 
     def record(module, args, output):
         local = (p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if not is_fsdp_shard(p))
-        module._paratrain_unsharded_bytes = sum(t.numel() * t.element_size() for t in local)
+        _unsharded_bytes[module] = sum(t.numel() * t.element_size() for t in local)
 
     model.register_forward_hook(record)
 

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from paratrain.parallel.collective_device import collective_device
+from paratrain.parallel.collective_hooks import collective
+from paratrain.parallel.data_parallel import unsharded_bytes_held
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +46,7 @@ def _optimizer_tensors(opt):
 def model_state_bytes(model_parts, optimizers) -> dict[str, int]:
     """{"params", "grads", "optimizer", "total", "unsharded_params_held"} in bytes, for this rank."""
     params = [p for part in model_parts for p in part.parameters()]
-    held = sum(getattr(part, "_paratrain_unsharded_bytes", 0) for part in model_parts)
+    held = sum(unsharded_bytes_held(part) for part in model_parts)
     out = {"params": _bytes(params) + held, "grads": _bytes(p.grad for p in params),
            "optimizer": _bytes(t for opt in optimizers for t in _optimizer_tensors(opt))}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
@@ -60,8 +62,9 @@ def gather_model_state_bytes(model_parts, optimizers) -> dict:
         rows = [mine]
     else:
         local = torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=collective_device())
-        table = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(table, local)
+        table = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        collective("model_state_bytes", "world", "all_gather", None, lambda: dist.all_gather(table, local),
+                   (local, *table))
         rows = [{k: int(v) for k, v in zip(keys, row.tolist())} for row in table]
     return {"per_rank": rows, "mean": {k: sum(r[k] for r in rows) / len(rows) for k in keys},
             "max": {k: max(r[k] for r in rows) for k in keys}}

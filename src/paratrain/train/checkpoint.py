@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from paratrain.errors import UserError
 from paratrain.parallel.collective_device import collective_device
+from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -134,7 +135,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        collective("checkpoint_barrier", "world", "barrier", None, dist.barrier)
 
 
 def _all_ok(ok: bool) -> bool:
@@ -142,7 +143,7 @@ def _all_ok(ok: bool) -> bool:
     if not dist.is_initialized():
         return ok
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(flag)
+    collective("checkpoint_ok", "world", "all_reduce", None, lambda: dist.all_reduce(flag), (flag,))
     return int(flag.item()) == 0
 
 
@@ -245,7 +246,7 @@ def new_run_id() -> str:
             return f"{var.split('_')[0].lower()}-{value}"
     draw = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=collective_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(draw, src=0)
+        collective("run_id", "world", "broadcast", None, lambda: dist.broadcast(draw, src=0), (draw,), src=0)
     return f"local-{int(draw.item()):016x}"
 
 

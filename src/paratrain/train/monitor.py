@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.parallel.collective_device import collective_device
+from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
 
@@ -211,7 +212,7 @@ def gather_phases(busy: float, phases: dict[str, float]) -> list[dict[str, float
         return [dict(zip(names, mine))]
     out = torch.zeros(dist.get_world_size(), len(names), dtype=torch.float64, device=collective_device())
     out[dist.get_rank()] = torch.tensor(mine, dtype=torch.float64)
-    dist.all_reduce(out)
+    collective("monitor_phases", "world", "all_reduce", None, lambda: dist.all_reduce(out), (out,))
     return [dict(zip(names, row)) for row in out.tolist()]
 
 

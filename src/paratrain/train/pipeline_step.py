@@ -81,16 +81,22 @@ def _mesh_named(layout: Layout, names: tuple[str, ...], mesh_layout=None):
     return layout.mesh[names if len(names) > 1 else names[0]]
 
 
-def _shape_pass_without_sync(stage: PipelineStage) -> None:
-    """DDP stages: run the schedule's one-off shape-inference forward under no_sync. Otherwise DDP's reducer
-    records that forward's parameters as well and fails its bucket rebuild on the next real forward."""
-    compute = stage._compute_outputs
+def _forward_without_sync(ddp_stage: nn.Module) -> None:
+    """DDP stages: every forward runs under no_sync, as the schedule already runs its micro-batches' (it prepares
+    DDP's reducer itself in the last backward). The one it would otherwise not cover is its one-off
+    shape-inference forward, whose parameters DDP's reducer would record and then fail its bucket rebuild on the
+    next real forward."""
+    entered = []
 
-    def compute_without_sync(*args, module, **kwargs):
-        with module.no_sync():
-            return compute(*args, module=module, **kwargs)
+    def enter(module, args):
+        entered.append(module.no_sync())
+        entered[-1].__enter__()
 
-    stage._compute_outputs = compute_without_sync
+    def leave(module, args, output):
+        entered.pop().__exit__(None, None, None)
+
+    ddp_stage.register_forward_pre_hook(enter)
+    ddp_stage.register_forward_hook(leave, always_call=True)
 
 
 class PipelineStep:
@@ -213,7 +219,9 @@ class PipelineStep:
             return None
         mine = {"rank": dist.get_rank(), "pp_rank": self.pp_mesh.get_local_rank(), **self.last_timing}
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        collective("pipeline_timing", "world", "all_gather_object", None,
+                   lambda: dist.all_gather_object(everyone, mine))
+        everyone = [r for r in everyone if r is not None] or [mine]  # an interceptor's None: no row arrived
         step_s = max(r["total_s"] for r in everyone)
         for r in everyone:
             r["own_idle_fraction"] = r.pop("idle_fraction")
@@ -261,10 +269,10 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
         if layout.dtype != "fp32":
             _autocast_forward(part, device.type, layout.dtype)
         parts.append(part)
+        if hasattr(part, "no_sync"):
+            _forward_without_sync(part)
         stage = PipelineStage(part, spec.index, len(specs), device, group=pp_mesh.get_group(),
                               get_mesh=functools.partial(_mesh_named, layout))
-        if hasattr(part, "no_sync"):
-            _shape_pass_without_sync(stage)
         if hooks is not None:
             hooks.fire("on_pipeline_stage", stage, spec)
         stages.append(stage)

@@ -16,6 +16,8 @@ from datetime import timedelta
 
 import torch
 
+from paratrain.parallel.collective_hooks import collective
+
 log = logging.getLogger("paratrain")
 
 # set by the supervisor (train/replica_launch.py) in each replica's environment
@@ -150,7 +152,8 @@ class ReplicaHealer:
             torch.zeros(1, device=trainer.rt.device)
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        collective("replica_grads", "replicas", "all_reduce", None,
+                   lambda: self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait(), (flat,))
         flat /= max(1, self.manager.num_participants())
         offset = 0
         for p in params:

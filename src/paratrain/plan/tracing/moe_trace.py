@@ -93,7 +93,8 @@ def split_experts(experts: nn.Module, ep: int) -> None:
     """Each expert matrix as ep parameters of E/ep experts (the bytes FSDP holds are unchanged): the rank's own
     share is the first; the others, another rank's experts, get no gradient here, as under --ep."""
     for name in ("w1", "w2", "w3"):
-        whole = experts._parameters.pop(name)
+        whole = getattr(experts, name)
+        delattr(experts, name)
         for i, part in enumerate(whole.detach().chunk(ep, 0)):
             experts.register_parameter(f"{name}_{i}", nn.Parameter(part.clone()))
 

@@ -120,7 +120,7 @@ def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    name = func._overloadpacket.__name__
+    name = func.overloadpacket.__name__
     if name in _VIEW_NAMES or getattr(func, "is_view", False):
         return "view", 0.0, 0.0
     leaves_in = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -140,8 +140,8 @@ def classify_op(func, args, kwargs, out) -> tuple[str, float, float]:
     nbytes = sum(_tensor_bytes(x) for x in leaves_in) + out_bytes
     if out is None and name.endswith("_") and args:  # an in-place foreach op also writes its first list back
         nbytes += sum(_tensor_bytes(x) for x in tree_leaves(args[0]) if isinstance(x, torch.Tensor))
-    if name in _MATMUL_NAMES and func._overloadpacket in flop_registry:
-        flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+    if name in _MATMUL_NAMES and func.overloadpacket in flop_registry:
+        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         return "mm", float(flops), float(nbytes)
     return "mem", 0.0, float(nbytes)
 
@@ -175,7 +175,7 @@ def op_recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool =
         if phase is not None and not log.in_comm:
             kind, flops, nbytes = classify_op(func, args, kwargs, out)
             count = log.op_weight
-            if foreach_per_tensor and func._overloadpacket.__name__.startswith("_foreach") and args:
+            if foreach_per_tensor and func.overloadpacket.__name__.startswith("_foreach") and args:
                 tensors = max(1, sum(isinstance(x, torch.Tensor) for x in tree_leaves(args[0])))
                 flops, nbytes, count = flops / tensors, nbytes / tensors, count * tensors
             ops[phase].append((kind, flops, nbytes, count, dtensor))

@@ -97,6 +97,10 @@ class LiveTensorTracker(TorchDispatchMode):
                     seen[id(st)] = st.nbytes()
         return sum(seen.values())
 
+    def live_sizes(self) -> dict[int, int]:
+        """{id(storage): bytes} of every storage live now."""
+        return {key: entry[1] for key, entry in self._live.items()}
+
     def largest(self, n: int = 20) -> list[tuple[int, str]]:
         """The n biggest live storages as (bytes, label); labels need label_storages=True."""
         rows = [(entry[1], (self.labels or {}).get(key, "?")) for key, entry in self._live.items()]
@@ -137,7 +141,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 for st in storages_of(t):
                     if self.labels is not None and id(st) not in self._live:
-                        self.labels[id(st)] = f"{func._overloadpacket.__name__} {tuple(t.shape)} {t.dtype}"
+                        self.labels[id(st)] = f"{func.overloadpacket.__name__} {tuple(t.shape)} {t.dtype}"
                     self._add_storage(st)
         if self.resync:
             self._resync_sizes()

@@ -203,11 +203,12 @@ def trace_units(key: UnitKey) -> UnitTrace:
             positions = torch.arange(seq_local)
             with autocast_context("cpu", key.dtype):
                 out = model(inputs, positions=positions)
-                inside = {k: v[1] for k, v in tracker._live.items()}
+                inside = tracker.live_sizes()
             # leaving autocast frees its cached low-precision weight copies (those no op saved for the backward):
             # each unit's share, freed once for all blocks at the end of the forward
+            after = tracker.live_sizes()
             for k, nbytes in inside.items():
-                if k not in tracker._live:
+                if k not in after:
                     unit = born.get(k, (None, "pre"))[1]
                     result.exit_freed[unit] = result.exit_freed.get(unit, 0) + nbytes
             targets = torch.zeros((key.micro_batch, seq_local), dtype=torch.long)
