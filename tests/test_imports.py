@@ -234,10 +234,6 @@ ALLOWED_REACHES = allowed({
     ("train/memory_snapshot.py: reads torch.cuda.memory._record_memory_history",
      "train/memory_snapshot.py: reads torch.cuda.memory._dump_snapshot"):
         "torch's documented memory-snapshot API (docs: 'Understanding CUDA Memory Usage') has only these names",
-    ("train/process_control.py: reads forkserver._forkserver", "train/process_control.py: reads resource_tracker._resource_tracker",
-     "train/process_control.py: reads forkserver._forkserver._forkserver_pid",
-     "train/process_control.py: reads resource_tracker._resource_tracker._pid"):
-        "multiprocessing's helper processes are known only by these pids: they must be told from our own children",
     ("train/replica_transport.py: overrides HTTPTransport._load_from_address",):
         "torchft's peer-checkpoint load, replaced to load weights_only (torchft's own unpickles)",
     ("train/replica_transport.py: reads transport._server",):

@@ -11,6 +11,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -31,8 +32,19 @@ log = logging.getLogger("paratrain")
 
 
 def emit_json(doc: dict) -> None:
-    sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")
+    sys.stdout.write(json.dumps(_finite(doc), indent=1, default=str) + "\n")
     sys.stdout.flush()
+
+
+def _finite(value):
+    """JSON has no NaN or infinity: a figure that is not a number is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 # -- train options shared by train / verify / doctor / launch ------------------------------------------------
@@ -240,6 +252,10 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         if created and _holds_nothing_new(run_dir):  # never a run dir a step or a save already wrote to
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    except CheckFailed as exc:  # a failed run still answers --json: what failed, on which rank, after which step
+        if as_json:
+            emit_json({"error": _one_line(exc), "rank": exc.rank, "step": exc.step, "run_dir": str(run_dir)})
+        raise
     if 0 not in results:
         return  # a non-zero rank under torchrun/srun: rank 0 reports
     summary = results[0]
@@ -250,7 +266,8 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
     mfu = f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else ", MFU n/a (no known peak for this device)"
     if summary.get("val_loss") is not None:
         vs += f", val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f})"
-    log.info("done: %d steps, loss %.4f%s, %.0f tokens/s%s; run dir %s", summary["steps"], summary["final_loss"], vs,
+    loss = f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "n/a (no step trained)"
+    log.info("done: %d steps, loss %s%s, %.0f tokens/s%s; run dir %s", summary["steps"], loss, vs,
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
         emit_json({k: v for k, v in summary.items() if k != "losses"} | ({"probe": probed} if probed else {}))

@@ -10,9 +10,14 @@ class UserError(Exception):
 
 
 class CheckFailed(Exception):
-    """A check ran and failed (e.g. a verify mismatch). Exit code 1."""
+    """A check ran and failed (e.g. a verify mismatch). Exit code 1. A failed training run also names the failing
+    `rank` and the last completed `step` where they are known (train --json reports both)."""
 
     exit_code = 1
+
+    def __init__(self, *args, rank: int | None = None, step: int | None = None):
+        super().__init__(*args)
+        self.rank, self.step = rank, step
 
 
 def require(condition: bool, message: str) -> None:

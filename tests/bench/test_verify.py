@@ -136,6 +136,27 @@ def test_refusal_is_one_line_and_exit_2(cli_inproc):
     assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1, res.stderr
 
 
+@pytest.mark.timeout(240)
+def test_a_ranks_own_error_is_the_last_line(cli_here, tmp_path):
+    """Issue 44: a rank's UserError (here: a transformers TP plan paratrain cannot translate) is the run's one last
+    line and exit 2, not followed by torch elastic's pointer to its docs."""
+    import json
+
+    from paratrain.models.hf_model import build_hf_model
+    from paratrain.models.hf_tp_plan import hf_tp_plan
+
+    folder = tmp_path / "neox"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "gpt_neox", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}))
+    with pytest.raises(UserError) as refused:  # what the ranks meet, met here
+        hf_tp_plan(build_hf_model(f"hf:{folder}", 0), tp=2, sp=False)
+    res = cli_here("verify", "--model", f"hf:{folder}", "--strategy", "tp", "--nproc", "2", "--steps", "2")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.splitlines()[-1] == f"error: {refused.value}", res.stderr[-2000:]
+
+
 def registered(hooks: Hooks) -> dict:
     return {kind: len(hooks.callbacks(kind)) for kind in KINDS if hooks.callbacks(kind)}
 

@@ -61,7 +61,7 @@ def run_train(
         return Run(proc.returncode, out.read(), err.read(), wall, seen)
 
 
-def kill_args(strategy: str, out: str) -> list[str]:
+def kill_args(strategy: str, out: str, metrics: bool = False) -> list[str]:
     return [
         "--strategy",
         strategy,
@@ -81,5 +81,5 @@ def kill_args(strategy: str, out: str) -> list[str]:
         "8",
         "--timeout-s",
         "60",
-        "--no-metrics",
+        "--metrics" if metrics else "--no-metrics",
     ]

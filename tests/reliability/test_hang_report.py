@@ -1,7 +1,12 @@
 """Issue 34: a stalled rank is named, with the collective its peers wait in and its own last phase; a killed one
 is named as dead. Rank 3 of 4 stalls (tests/support/hang_points.py, through the trainer's hooks) so naming it is
 no process of elimination. One 4-rank launch per case: a run ends at its first fault. Every run ends within its
-timeout, non-zero, its last line naming the culprit, and leaves no process behind (this replaced test_stall.py)."""
+timeout, non-zero, its last line naming the culprit, and leaves no process behind (this replaced test_stall.py).
+
+Issue 44: a rank stopped by SIGSTOP (the ddp case) writes nothing more, so its peers' records give its step, and
+the launcher kills it once they time out; with --json a failed run prints the error, the rank and the last
+completed step; the killed rank's data-loader workers (document data) print nothing after the last line; each
+rank is named in `ps -o comm`."""
 
 from __future__ import annotations
 
@@ -15,13 +20,14 @@ import pytest
 from helpers import plugin_env, run_cli
 from paratrain.train.hang_report import diagnose
 from reliability.inproc import run_cli_inproc
+from support.doc_corpus import make_corpus
 
 TIMEOUT_S = 3
 BASE = ["--nproc", "4", "--steps", "4", "--timeout-s", str(TIMEOUT_S), "--seq-len", "32", "--global-batch", "8",
         "--micro-batch", "2"]
 # case: (paratrain train options, where rank 3 stops, words the culprit line must hold)
 CASES = {
-    "ddp-grad-all-reduce": (["--strategy", "ddp"], "compute", ["all_reduce", "on dp_replicate", "forward_backward"]),
+    "ddp-grad-all-reduce": (["--strategy", "ddp"], "stop", ["all_reduce", "on dp_replicate", "forward_backward"]),
     "fsdp-all-gather": (["--strategy", "zero3"], "compute", ["all_gather", "on dp_shard", "forward_backward"]),
     "tp-collective": (["--strategy", "tp", "--model", "tiny-mha"], "compute", ["on tp", "forward_backward"]),
     "pp-send-recv": (["--strategy", "pp", "--model", "tiny4"], "compute", ["with rank 2 on pp", "forward_backward"]),
@@ -62,13 +68,18 @@ def test_stalled_rank_is_named(tmp_path, case):
     options, point, words = CASES[case]
     tag = uuid.uuid4().hex
     env = plugin_env("support.hang_points:plugin", PARATRAIN_HANG_AT=f"3:3:{point}", PARATRAIN_TEST_TAG=tag)
-    run = run_cli("train", *BASE, *options, "--out", str(tmp_path / "run"), timeout=90, env=env)
+    run = run_cli("train", *BASE, *options, "--out", str(tmp_path / "run"), "--json", timeout=90, env=env)
     assert run.returncode == 1, run.stderr[-3000:]
     line = failed_line(run.stderr)
     assert line.startswith("failed: rank 3 never reached "), line
     culprit = line.split(" [")[0]
     assert all(w in culprit for w in words) and "step 3" in culprit, line
     assert "Traceback" not in run.stderr
+    # one JSON document all the same: the error line, the rank it blames, the last step every rank finished
+    assert run.json() == {"error": line.removeprefix("failed: "), "rank": 3, "step": 2,
+                          "run_dir": str(tmp_path / "run")}
+    stopped = "rank 3 (pid " in run.stderr and ") is stopped (SIGSTOP) and cannot exit: killed it" in run.stderr
+    assert stopped == (point == "stop"), run.stderr[-3000:]  # killed at once, not after the agent's 30 s grace
     assert_no_process_left(tag)
     if case == "ddp-grad-all-reduce":  # afterwards, from the files alone (in this process: it starts no worker)
         code, out, err = run_cli_inproc(["doctor", "--hang", str(tmp_path / "run"), "--json"])
@@ -79,12 +90,25 @@ def test_stalled_rank_is_named(tmp_path, case):
 
 @pytest.mark.timeout(120)
 def test_killed_rank_is_named_dead(tmp_path):
-    env = plugin_env("support.hang_points:plugin", PARATRAIN_HANG_AT="3:3:kill")
-    run = run_cli("train", *BASE, "--strategy", "ddp", "--out", str(tmp_path / "run"), timeout=90, env=env)
+    """On document data: each rank's loader worker outlives a killed rank unless the launcher stops it (it printed
+    a FileNotFoundError traceback after the last line). run_cli reads stderr to its end, after every writer, so
+    failed_line() checks that nothing came after the last line."""
+    corpus = make_corpus(tmp_path / "corpus")
+    env = plugin_env("support.hang_points:plugin", "support.process_names:plugin", PARATRAIN_HANG_AT="3:3:kill",
+                     PARATRAIN_NAMES_DIR=str(tmp_path / "names"))
+    base = list(BASE)
+    base[base.index("--timeout-s") + 1] = "30"  # a kill needs no timeout; a loaded machine may start a loader slowly
+    run = run_cli("train", *base, "--strategy", "ddp", "--data", corpus["a"], "--tokenizer", corpus["tok"],
+                  "--vocab-size", "320", "--out", str(tmp_path / "run"), "--json", timeout=90, env=env)
     assert run.returncode == 1, run.stderr[-3000:]
     line = failed_line(run.stderr)
     assert line.startswith("failed: rank 3 died ("), line
     assert "never reached" not in line, line
+    assert "FileNotFoundError" not in run.stderr and "leaked" not in run.stderr, run.stderr[-3000:]
+    assert run.json() == {"error": line.removeprefix("failed: "), "rank": 3, "step": 2,
+                          "run_dir": str(tmp_path / "run")}
+    names = {p.name: p.read_text() for p in (tmp_path / "names").iterdir()}
+    assert names == {f"rank-{r}": f"pt-rank{r}/4" for r in range(4)}  # as `ps -o comm` shows each rank
 
 
 def test_diagnosis_from_planted_records():

@@ -2,12 +2,15 @@
 --resume auto continues from the newest complete checkpoint, and the final parameters are bit-identical
 to an uninterrupted run (reference: the same command without the kill; fp32, CPU, 2 ranks).
 
-Also: the world-size change 2 -> 1 goes through DCP resharding, and a single-node run listens only on
-loopback. Seed the random choices with PARATRAIN_KILL_SEED to replay a failure.
+Also: the restart is announced in one line naming the dead rank, the summary counts it, and metrics.jsonl reads as
+one run (the killed attempt's steps past the checkpoint are not left in it twice); the world-size change 2 -> 1 goes
+through DCP resharding, and a single-node run listens only on loopback. Seed the random choices with
+PARATRAIN_KILL_SEED to replay a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -51,13 +54,18 @@ def test_killed_rank_resumes_bit_identical(references, tmp_path, strategy, trial
     rank = trial  # each strategy loses rank 0 once and rank 1 once
     what = f"{strategy} trial {trial}: SIGKILL rank {rank} after step {step} (PARATRAIN_KILL_SEED={SEED})"
     run = run_train(
-        [*kill_args(strategy, "run"), "--max-restarts", "1"],
+        [*kill_args(strategy, "run", metrics=True), "--max-restarts", "1", "--json"],
         tmp_path,
         env=plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=f"{rank}:{step}"),
     )
     assert run.returncode == 0, f"{what}\n{run.stderr[-3000:]}"
     resumed_at = step - step % KILL_EVERY
     assert f"resumed from run/ck/step-{resumed_at} (step {resumed_at})" in run.stderr, what
+    restart = [ln for ln in run.stderr.splitlines() if "restart 1 of --max-restarts 1" in ln]
+    assert len(restart) == 1 and f"rank {rank} died" in restart[0], f"{what}\n{run.stderr[-3000:]}"
+    assert json.loads(run.stdout)["restarts"] == 1, what
+    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, KILL_STEPS + 1)), what
     reference = ckpt.load_params(references[strategy][0] / "ck" / f"step-{KILL_STEPS}")
     final = ckpt.load_params(tmp_path / "run" / "ck" / f"step-{KILL_STEPS}")
     assert same_params(reference, final) == [], what

@@ -8,6 +8,8 @@ chosen collective (tests/reliability/test_hang_report.py):
                  the pipeline's send/recv)
     optimizer    before its optimizer step: its peers wait in the loss all-reduce (or a grad-norm all-reduce)
     kill         SIGKILL instead of a stall, before its first micro-batch
+    stop         SIGSTOP instead of a stall, before its first micro-batch: the process can neither write its record
+                 nor act on a SIGTERM (the launcher must kill it)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from paratrain.errors import UserError
 from paratrain.parallel.collective_hooks import current_step
 
 HANG_ENV = "PARATRAIN_HANG_AT"
-POINTS = ("compute", "optimizer", "kill")
+POINTS = ("compute", "optimizer", "kill", "stop")
 
 
 def _spec() -> tuple[int, int, str] | None:
@@ -57,6 +59,8 @@ def plugin(hooks) -> None:
         if index == 0 and here():
             if point == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if point == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             if point == "compute":
                 _stall_forever()
         yield

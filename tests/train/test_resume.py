@@ -43,3 +43,11 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "skipping broken checkpoint" in again.stderr and "step-6" in again.stderr
     assert len(losses(tmp_path / "b" / "metrics.jsonl")) == 4  # steps 5..8 after resuming at 4
+    # a checkpoint already at --steps: nothing left to train, and no loss to report (null, never NaN)
+    done = cli("train", "--strategy", "single", "--steps", "4", "--ckpt-dir", "ck", "--resume", "ck/step-4",
+               "--out", "c", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout, parse_constant=lambda name: pytest.fail(f"{name} in the JSON summary"))
+    assert summary["steps"] == 4 and summary["final_loss"] is None and summary["restarts"] == 0
+    assert "nothing left to train: the checkpoint is at step 4 of --steps 4" in done.stderr
+    assert "done: 4 steps, loss n/a (no step trained)" in done.stderr

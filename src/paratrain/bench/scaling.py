@@ -11,7 +11,6 @@ import gc
 import logging
 import os
 import statistics
-import sys
 
 import torch
 
@@ -145,11 +144,9 @@ def measure_cells(cfg_dicts: list[dict], warmup: int, steps: int, threads: int,
         try:
             results.append(measure_cell(cfg, rt, warmup, steps))
         except UserError as exc:
-            if not keep_going:
-                if rt.is_main:
-                    print(f"error: {exc}", file=sys.stderr, flush=True)
+            if not keep_going:  # raised on: the launcher makes it the run's one last line (exit 2)
                 shutdown()
-                sys.exit(2)
+                raise
             results.append({"error": str(exc)})
         # free the cell's trainer (DDP reducer, FSDP state) while the groups are registered: see train/worker.py
         gc.collect()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -250,11 +249,9 @@ def doctor_worker(cfg_dict: dict, run_dir: str, warmup: int, steps: int, trace: 
         # teardown after shutdown(), a worker sometimes never exited
         del session, trainer
         gc.collect()
-    except UserError as exc:
-        if rt.is_main:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+    except UserError:  # raised on: the launcher makes it the run's one last line (exit 2)
         shutdown()
-        sys.exit(2)
+        raise
     shutdown()
     if not rt.is_main:
         return None

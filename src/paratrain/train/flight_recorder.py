@@ -27,6 +27,7 @@ from paratrain.parallel.collective_hooks import add_interceptor, current_step
 from paratrain.train import p2p_trace
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+_FAILED_ITSELF = ("timeout", "lost_peer")  # a record a rank writes about its own failure, just before it exits
 DEFAULT_ENTRIES = 256
 # the state a rank is in after each on_phase mark (the marks name the phase that just ended)
 _NEXT_PHASE = {"start": "forward_backward", "forward_backward": "optimizer", "optimizer": "loss_sync",
@@ -87,6 +88,8 @@ class FlightRecorder:
         self.p2p: collections.deque = collections.deque(maxlen=entries)
         self.groups: dict[str, dict] = {}
         self.phase, self.progress_at, self.stalled_since = "setup", time.time(), None
+        self.completed_step: int | None = None  # the last step this rank finished (its "loss_sync" mark)
+        self._step_fd: int | None = None  # rank-N.step: that step, rewritten in place as each one ends
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._handles: list = []
@@ -106,6 +109,9 @@ class FlightRecorder:
         self.phase = _NEXT_PHASE.get(mark, mark)
         self.phases.append((current_step(), self.phase, now))
         self.progress_at = now
+        if mark == "loss_sync":
+            self.completed_step = current_step()
+            self._write_step(self.completed_step)
         if len(self.phases) == 1 and self.hang_dir is not None:
             self.write("started")  # once: its pid tells the others, should this rank die, that it did
 
@@ -129,6 +135,9 @@ class FlightRecorder:
     def detach(self) -> None:
         """Stop recording and writing; what was written stays."""
         self._stop.set()
+        if self._step_fd is not None:
+            os.close(self._step_fd)
+            self._step_fd = None
         if self._thread is not None:
             self._thread.join(timeout=2)
         for handle in self._handles:
@@ -143,6 +152,7 @@ class FlightRecorder:
         self.detach()
         if self.hang_dir is not None:
             (self.hang_dir / f"rank-{self.rank}.json").unlink(missing_ok=True)
+            (self.hang_dir / f"rank-{self.rank}.step").unlink(missing_ok=True)
             try:
                 self.hang_dir.rmdir()  # the last rank out removes the emptied directory
             except OSError:
@@ -153,24 +163,53 @@ class FlightRecorder:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,
                 "error": error, "time": time.time(),
                 "dead_peers": self.dead_peers() if reason == "lost_peer" else [],
-                "step": current_step(), "phase": self.phase, "progress_at": self.progress_at,
+                "step": current_step(), "completed_step": self.last_completed(), "phase": self.phase,
+                "progress_at": self.progress_at,
                 "phases": [{"step": s, "phase": p, "at": t} for s, p, t in list(self.phases)[-32:]],
                 "collectives": list(self.collectives)[-64:], "p2p": list(self.p2p)[-64:], "groups": self.groups,
                 "torch": torch_entries()}
 
-    def dead_peers(self) -> list[int]:
+    def last_completed(self) -> int | None:
+        """The last step finished here; before this process finished one, the step it resumed from."""
+        if self.completed_step is not None:
+            return self.completed_step
+        return current_step() - 1 if current_step() > 0 else None
+
+    def dead_peers(self, settle_s: float = 1.0) -> list[int]:
         """Ranks on this host whose process is gone (their "started" record names the pid): on a lost peer,
-        what tells a dead rank from a stalled one. Ranks on other hosts cannot be checked from here."""
-        dead = []
-        for path in self.hang_dir.glob("rank-*.json") if self.hang_dir is not None else ():
-            try:
-                other = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if other.get("rank") != self.rank and other.get("host") == socket.gethostname() \
-                    and not _process_alive(int(other.get("pid", 0))):
-                dead.append(int(other["rank"]))
-        return sorted(dead)
+        what tells a dead rank from a stalled one. Ranks on other hosts cannot be checked from here.
+
+        A killed process closes its sockets before it becomes a zombie, so the loss can be seen first: look again
+        for up to `settle_s` until one is gone. A peer that wrote its own failure (a timeout, a lost peer) before
+        it exited did not die."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            peers = {}
+            for path in self.hang_dir.glob("rank-*.json") if self.hang_dir is not None else ():
+                try:
+                    other = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if other.get("rank") != self.rank and other.get("host") == socket.gethostname() \
+                        and other.get("reason") not in _FAILED_ITSELF:
+                    peers[int(other["rank"])] = int(other.get("pid", 0))
+            dead = sorted(rank for rank, pid in peers.items() if not _process_alive(pid))
+            if dead or not peers or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
+
+    def _write_step(self, step: int) -> None:
+        """Each step's end, in one pwrite (no JSON, no rename: it runs every step): the launcher reports the
+        run's last completed step from these even when no rank lived to write its record."""
+        if self.hang_dir is None:
+            return
+        try:
+            if self._step_fd is None:
+                self.hang_dir.mkdir(parents=True, exist_ok=True)
+                self._step_fd = os.open(self.hang_dir / f"rank-{self.rank}.step", os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._step_fd, f"{step:>20}\n".encode(), 0)
+        except OSError:
+            pass  # the run directory is gone or full: the records that matter are written elsewhere
 
     def write(self, reason: str, error: str | None = None) -> Path | None:
         """Write rank-N.json (atomically: a reader never sees half a file); None without a run directory."""

@@ -92,10 +92,14 @@ def _reached(dump: dict, wait: Pending) -> int:
     return max(seqs, default=0)
 
 
-def _where(dump: dict | None) -> str:
+def _where(dump: dict | None, peer_step: int | None = None) -> str:
     if dump is None:
         return "it wrote no record"
-    return f"step {dump.get('step')}, last seen in {dump.get('phase')}"
+    own = dump.get("step")
+    # a rank stopped (SIGSTOP) writes nothing more: its own record is stale, its peers' give its step
+    if peer_step is not None and own is not None and own < peer_step:
+        return f"step {peer_step} by its peers' records; its own stops at step {own}, in {dump.get('phase')}"
+    return f"step {own}, last seen in {dump.get('phase')}"
 
 
 def dead_ranks(exits: dict[int, int | None], dumps: dict[int, dict]) -> dict[int, str]:
@@ -113,7 +117,10 @@ def dead_ranks(exits: dict[int, int | None], dumps: dict[int, dict]) -> dict[int
     lost = sorted((d for d in dumps.values() if d.get("reason") == "lost_peer"), key=lambda d: d.get("time", 0))
     stopped = {rank for rank, code in exits.items() if code is not None and -code in (signal.SIGTERM, signal.SIGINT)}
     for rank in lost[0].get("dead_peers") or [] if lost else []:
-        if int(rank) not in stopped:  # on a loaded machine that look can come after the launcher stopped a peer
+        # on a loaded machine that look can come after the launcher stopped a peer, or after a peer wrote its own
+        # failure and exited
+        own = dumps.get(int(rank), {}).get("reason")
+        if int(rank) not in stopped and own not in _BLOCKED_REASONS:
             out.setdefault(int(rank), "its process is gone")
     return out
 
@@ -144,6 +151,11 @@ def _waits(dumps: dict[int, dict]) -> dict[int, list[tuple[str, str, int, int]]]
 def diagnose(dumps: dict[int, dict], exits: dict[int, int | None] | None = None) -> list[str]:
     """One phrase per culprit rank, e.g. "rank 3 never reached all_reduce #37 on dp_shard (step 3, last seen in
     optimizer)" or "rank 3 died (SIGKILL; ...)"; [] when nobody is to blame."""
+    return [phrase for _, phrase in culprits(dumps, exits)]
+
+
+def culprits(dumps: dict[int, dict], exits: dict[int, int | None] | None = None) -> list[tuple[int, str]]:
+    """diagnose()'s phrases, each with the rank it blames."""
     dead = dead_ranks(exits or {}, dumps)
     waits = _waits(dumps)
     groups = _groups(dumps)
@@ -151,7 +163,7 @@ def diagnose(dumps: dict[int, dict], exits: dict[int, int | None] | None = None)
                          for r, ws in sorted(waits.items()) for op, group, seq, _ in ws[:1]), None)
     if dead:  # the others' waits follow from the deaths: name only those
         waited = f"; the others were in {where_waited}" if where_waited else ""
-        return [f"rank {r} died ({how}{waited})" for r, how in sorted(dead.items())]
+        return [(r, f"rank {r} died ({how}{waited})") for r, how in sorted(dead.items())]
     lines, blamed = [], set()
     for rank, ws in sorted(waits.items()):
         for op, group, seq, peer in ws:
@@ -169,12 +181,37 @@ def diagnose(dumps: dict[int, dict], exits: dict[int, int | None] | None = None)
                 if reached >= seq:
                     continue
                 blamed.add(member)
-                lines.append(f"rank {member} never reached {what} on {_dim(group, dumps, groups)} ({_where(dump)})")
+                where = _where(dump, dumps[rank].get("step"))
+                lines.append((member, f"rank {member} never reached {what} on {_dim(group, dumps, groups)} ({where})"))
     return lines
 
 
 def hang_line(hang_dir: Path | None, exits: dict[int, int | None] | None = None) -> str | None:
     """The launcher's last line: the culprits joined, or None when the files name nobody."""
-    dumps = read_dumps(hang_dir) if hang_dir is not None and Path(hang_dir).is_dir() else {}
-    lines = diagnose(dumps, exits)
+    lines = diagnose(_dumps_in(hang_dir), exits)
     return "; ".join(lines) if lines else None
+
+
+def _dumps_in(hang_dir: Path | None) -> dict[int, dict]:
+    return read_dumps(hang_dir) if hang_dir is not None and Path(hang_dir).is_dir() else {}
+
+
+def hang_verdict(hang_dir: Path | None, exits: dict[int, int | None] | None = None) -> tuple[str | None,
+                                                                                              int | None, int | None]:
+    """(hang_line's text, the first rank it blames, the run's last completed step), each None when unknown."""
+    dumps = _dumps_in(hang_dir)
+    found = culprits(dumps, exits)
+    return ("; ".join(p for _, p in found) or None, found[0][0] if found else None,
+            last_completed_step(hang_dir, dumps))
+
+
+def last_completed_step(hang_dir: Path | None, dumps: dict[int, dict]) -> int | None:
+    """The newest optimizer step any rank finished: from each rank's rank-N.step (rewritten as each step ends)
+    and its record's "completed_step" (flight_recorder.py)."""
+    steps = [int(d["completed_step"]) for d in dumps.values() if d.get("completed_step") is not None]
+    for path in Path(hang_dir).glob("rank-*.step") if hang_dir is not None else ():
+        try:
+            steps.append(int(path.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return max(steps, default=None)

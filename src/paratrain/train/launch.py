@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
 from paratrain.train.rendezvous import STORE_ENV, in_launched_process, loopback_interface
@@ -21,6 +22,7 @@ from paratrain.train.rendezvous import STORE_ENV, in_launched_process, loopback_
 log = logging.getLogger("paratrain")
 
 PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.worker")
+_NO_ERROR_FILE = "<N/A>"  # torch elastic's ProcessFailure.error_file when the process wrote none
 
 
 def _loopback_store(timeout_s: float):
@@ -48,12 +50,16 @@ def _worker_env(port: int) -> dict[str, str | None]:
 
 
 def _run_with_env(env: dict, entry: Callable, *args):
-    """Worker-side: apply `env`, then run the entry (a picklable stand-in for a closure)."""
+    """Worker-side: apply `env`, name the process after its rank (`ps` would show the forkserver's name), then
+    run the entry (a picklable stand-in for a closure)."""
+    from paratrain.train.process_control import name_rank_process
+
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    name_rank_process(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     return entry(*args)
 
 
@@ -89,7 +95,10 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
     """Run entry(*args) on nproc local ranks; returns {rank: return value}.
 
     `hang_dir`: where the workers' flight recorders write (train/flight_recorder.py); on a failure the last
-    line names the rank that stalled or died, read from there (train/hang_report.py).
+    line names the rank that stalled or died, read from there (train/hang_report.py), and the CheckFailed raised
+    carries that rank and the last completed step. A restart (max_restarts) is announced in one line
+    (train/restart_report.py); orphans of a dead rank and a rank stopped by SIGSTOP are killed
+    (train/process_control.py).
 
     Already inside torchrun/srun (RANK and WORLD_SIZE set): run entry once, in this process.
     PARATRAIN_PLUGINS (train/hooks.py) is loaded here first, so a bad entry fails in this process, in one line,
@@ -102,8 +111,13 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
         return {int(os.environ["RANK"]): entry(*args)}
     if nproc == 1 and max_restarts == 0:
         return {0: entry(*args)}
+    from multiprocessing import forkserver
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from paratrain.train import restart_report
+    from paratrain.train.process_control import LaunchWatch
 
     store, sock, port = _loopback_store(timeout_s)
     _forkserver_context()
@@ -115,33 +129,51 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     noisy = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
     levels = [logger.level for logger in noisy]
-    if not os.environ.get("PARATRAIN_DEBUG"):
+    debug = bool(os.environ.get("PARATRAIN_DEBUG"))
+    if not debug:
         # a failure report is a full traceback per rank; we print one line from it instead
         for logger in noisy:
             logger.setLevel(logging.CRITICAL)
+    hang_path = Path(hang_dir) if hang_dir else None
+    reporter = restart_report.RestartReporter(hang_path, max_restarts)
+    routed = restart_report.attach(reporter, quiet_others=not debug)
+    watch = LaunchWatch(hang_path)
     try:
         with _launch_env():
-            return elastic_launch(config, _run_with_env)(_worker_env(port), entry, *args)
+            # started here (the resource tracker with it), in the environment it always had, so LaunchWatch knows
+            # both before it takes a new child of this process for an orphan
+            forkserver.ensure_running()
+            with watch:
+                return elastic_launch(config, _run_with_env)(_worker_env(port), entry, *args)
     except ChildFailedError as exc:
-        raise CheckFailed(_with_culprit(_summarise_failure(exc), exc, hang_dir)) from None
+        raise _run_failure(exc, hang_path, watch.stopped_ranks) from None
     finally:
+        restart_report.detach(reporter, routed)
         for logger, level in zip(noisy, levels):
             logger.setLevel(level)
         del store, sock  # the store owns the listening socket's fd from here on
 
 
-def _with_culprit(summary: str, exc, hang_dir: str | None) -> str:
-    """The culprit first (who stalled or died, read from the flight recorders), then what the first rank saw."""
-    from pathlib import Path
+def _run_failure(exc, hang_dir: Path | None, stopped: set[int]) -> CheckFailed:
+    """One line: the culprit first (who stalled or died, read from the flight recorders), then what the first
+    failed rank saw; with the culprit's rank and the run's last completed step."""
+    from paratrain.train.hang_report import hang_verdict
 
-    from paratrain.train.hang_report import hang_line
-
-    exits = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-    culprit = hang_line(Path(hang_dir) if hang_dir else None, exits)
-    return f"{culprit} [{summary}]" if culprit else summary
+    summary = _summarise_failure(exc)
+    # a rank the launcher killed because it was stopped did not die: its peers' records say where it stalled
+    exits = {rank: None if rank in stopped else failure.exitcode for rank, failure in exc.failures.items()}
+    culprit, rank, step = hang_verdict(hang_dir, exits)
+    if rank is None:
+        rank = exc.get_first_failure()[0]
+    # "rank 1 died (SIGKILL; the others were in ...)" says all that "rank 1 died (SIGKILL)" would
+    repeats = culprit is not None and culprit.startswith(summary.removesuffix(")"))
+    line = f"{culprit} [{summary}]" if culprit and not repeats else culprit or summary
+    return CheckFailed(line, rank=rank, step=step)
 
 
 def _summarise_failure(exc) -> str:
+    from paratrain.train.restart_report import exit_text
+
     rank, failure = exc.get_first_failure()
     message = failure.message
     if isinstance(message, dict):
@@ -153,8 +185,11 @@ def _summarise_failure(exc) -> str:
         raise UserError(text) from None
     if kind.endswith("CollectiveFailure"):
         return text
-    if not reason or reason.startswith("http"):  # no exception recorded: torch's pointer to its docs
-        reason = f"exit code {failure.exitcode}"
+    if failure.error_file == _NO_ERROR_FILE or not reason or "https://" in reason:
+        # no exception recorded (torch's message is then a pointer to its docs): the exit is all we know
+        if failure.exitcode is not None and failure.exitcode < 0:
+            return f"rank {rank} died ({exit_text(failure.exitcode)})"
+        reason = exit_text(failure.exitcode)
     return f"rank {rank} failed: {reason}"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,8 +27,12 @@ class StepLog:
     """Writes one JSON line per logged step and shows progress. Only rank 0 creates one."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, floor: float | None, enabled: bool = True,
-                 quiet: bool = False):
+                 quiet: bool = False, start_step: int = 0):
+        """`start_step`: the step this run resumes after. Lines already there past it (logged by an attempt that
+        died before its next checkpoint: the steps this run replays) are dropped, so the file reads as one run."""
         self.path = run_dir / "metrics.jsonl" if (run_dir and enabled) else None
+        if self.path and (start_step or _restarted()):
+            _keep_steps_through(self.path, start_step)
         self.file = self.path.open("a") if self.path else None
         self.total, self.floor, self.quiet = total_steps, floor, quiet
         self.progress = None
@@ -63,3 +68,24 @@ class StepLog:
         if self.file:
             self.file.close()
 
+
+def _restarted() -> bool:
+    """An elastic restart (--max-restarts) that found no checkpoint starts over at step 0: replaying every step."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
+def _keep_steps_through(path: Path, last_step: int) -> None:
+    """Rewrite metrics.jsonl without the records of steps after `last_step` (and any line cut short)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if not isinstance(step, int) or step <= last_step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)

@@ -259,6 +259,9 @@ class Trainer:
             self.scaler.load_state_dict(manifest["extra"]["scaler"])
         if self.rt.is_main and not self.quiet:
             log.info("resumed from %s (step %d)", path, self.step)
+            if self.step >= self.cfg.steps:
+                log.info("nothing left to train: the checkpoint is at step %d of --steps %d", self.step,
+                         self.cfg.steps)
 
     def save_checkpoint(self) -> Path:
         if self.run_id is None:  # saved without maybe_resume(): a fresh lineage
@@ -347,8 +350,8 @@ class Trainer:
         cfg = self.cfg
         self.maybe_resume()
         main = self.rt.is_main
-        steplog = StepLog(self.run_dir, cfg.steps, self.floor, enabled=cfg.metrics, quiet=self.quiet or not main) \
-            if main else None
+        steplog = StepLog(self.run_dir, cfg.steps, self.floor, enabled=cfg.metrics, quiet=self.quiet or not main,
+                          start_step=self.step) if main else None
         if main and not self.quiet:
             floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
             # a --heal-replicas replica (data_shard) is one device of a run of `count` replicas: describe the run
@@ -400,7 +403,7 @@ class Trainer:
             if steplog:
                 steplog.close()
         history, total_time, measured_steps = run.history, run.total_time, run.measured_steps
-        loss = history[-1]["loss"] if history else float("nan")
+        loss = history[-1]["loss"] if history else None  # nothing left to train (resumed at --steps): no loss
         avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else run.tokens_per_s
         avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.layout.world)
                    if (self.peak_tflops and total_time) else None)

@@ -51,11 +51,12 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
         raise
     except CheckFailed as exc:  # a failed run (loss diverged, data loader stalled): one line, exit 1
         detach(recorder)
+        step = completed_step(trainer)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # alone, nobody can be blocked on us: clean up
             trainer = None
             gc.collect()
             shutdown()
-        raise CollectiveFailure(str(exc)) from None
+        raise CollectiveFailure(str(exc), rank=rank, step=step) from None
     except RuntimeError as exc:
         step = trainer.step + 1 if trainer is not None else 0
         message = describe_collective_failure(exc, rank, step, cfg.timeout_s)
@@ -65,7 +66,7 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
             write_quietly(recorder, "timeout" if " timed out " in message else "lost_peer", message)
         detach(recorder)
         # no shutdown(): destroying a group whose peer is gone can block; the launcher reaps this process
-        raise CollectiveFailure(message) from None
+        raise CollectiveFailure(message, rank=rank, step=completed_step(trainer)) from None
     # Drop the model (and DDP's reducer) while the process groups are still registered. Otherwise the
     # reducer can hold the last reference to a gloo group, whose destructor then joins gloo's threads with
     # the GIL held while one of them waits for the GIL to free a finished work's tensors: a deadlock at
@@ -78,7 +79,14 @@ def train_worker(cfg_dict: dict, run_dir: str | None, quiet: bool, custom=None,
     shutdown()
     if error is not None:
         raise UserError(error)  # our launcher and the CLI turn it into one line and exit 2
+    if summary is not None:  # which attempt finished: torch elastic (ours, torchrun) counts the restarts
+        summary["restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return summary if rank == 0 else None
+
+
+def completed_step(trainer) -> int | None:
+    """The last optimizer step this rank finished (a resumed run counts its checkpoint's); None before a trainer."""
+    return trainer.step if trainer is not None else None
 
 
 def start_flight_recorder(rank: int, run_dir: str | None, timeout_s: float) -> FlightRecorder:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 
 import torch.distributed as dist
 
@@ -310,11 +309,9 @@ def verify_worker(cfg_dict: dict, tol_dict: dict | None = None) -> dict | None:
     tol = Tolerance(**tol_dict) if tol_dict else None
     try:
         result = verify_in_group(cfg, rt, tol)
-    except UserError as exc:
-        if rt.is_main:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+    except UserError:  # raised on: the launcher makes it the run's one last line (exit 2)
         shutdown()
-        sys.exit(2)
+        raise
     gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
     shutdown()
     return result
