@@ -57,8 +57,8 @@ def measure(model_name: str, seq_len: int, impl: str | None, group=None, rank: i
     import functools
 
     from paratrain.models.presets import build_model, get_preset
-    from paratrain.parallel.context_parallel import CP_ATTENTION
-    from paratrain.parallel.ring_attention import zigzag_positions
+    from paratrain.parallel.cp.context_parallel import CP_ATTENTION
+    from paratrain.parallel.cp.ring_attention import zigzag_positions
     from paratrain.train.step import lm_loss
 
     args = get_preset(model_name)

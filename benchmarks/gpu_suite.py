@@ -336,7 +336,7 @@ class Suite:
         (never over a multi-GPU calibration; never from a --dry-run)."""
         if self.args.dry_run:
             return
-        from paratrain.plan.inputs.hardware import default_profile_path
+        from paratrain.costs.hardware import default_profile_path
 
         dest = default_profile_path()
         if dest.exists():

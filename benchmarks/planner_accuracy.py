@@ -65,11 +65,11 @@ def main() -> int:
     from paratrain.calibrate.harness import measure, measure_times
     from paratrain.calibrate.save_profile import calibrate
     from paratrain.config import TrainConfig
+    from paratrain.costs.hardware import load_profile
     from paratrain.models.presets import model_args_for
     from paratrain.parallel.layout import Layout
     from paratrain.plan.costing.memory import estimate_memory
     from paratrain.plan.costing.time import estimate_time
-    from paratrain.plan.inputs.hardware import load_profile
 
     load_before = os.getloadavg()[0]
     t0 = time.time()

@@ -30,7 +30,7 @@ runnable candidate; `unsupported`: priced and marked runtime_unsupported).
 
 Mixture-of-Experts runs (a case whose model names "moe"; its layout may give "ep") are summed up apart from the dense
 ones, and their layouts form their own error-bar family (expert-parallel). A case's `moe_routing` names the
-routing its source ran where it was not a trained router (plan/costing/expert_spread.py): NeMo AutoModel's
+routing its source ran where it was not a trained router (costs/expert_spread.py): NeMo AutoModel's
 benchmark gate gives token t the k consecutive experts from t*k ("consecutive"), which reach one or two ranks,
 and so sets the rows --ep's exchange sends per token. A published MoE run whose layout paratrain
 cannot express (published_runs.json `not_expressible`: the reason, and the nearest layout paratrain runs) is
@@ -78,10 +78,10 @@ def published_step_time(case: dict) -> float:
 def case_job(case: dict, micro_batch: int | None = None):
     """(Job, HardwareProfile, Layout) of a case: the catalog GPU, every degree and option fixed (the micro-batch
     given here where the case leaves it open; the smallest, 1, until then)."""
+    from paratrain.costs.hardware import profile_from_spec, with_cluster_overrides
     from paratrain.gpu_catalog import get_gpu
     from paratrain.models.llama import ModelArgs
     from paratrain.parallel.layout import Layout
-    from paratrain.plan.inputs.hardware import profile_from_spec, with_cluster_overrides
     from paratrain.plan.search import Job
 
     m = case["model"]

@@ -39,7 +39,7 @@ WORLD = 2
 
 
 def load_or_calibrate(path: str | None) -> tuple[object, str]:
-    from paratrain.plan.inputs.hardware import default_profile_path, load_profile
+    from paratrain.costs.hardware import default_profile_path, load_profile
 
     if path:
         return load_profile(path), f"profile {path}"

@@ -25,7 +25,7 @@ def measure(sp: bool, n_layers: int, tp_mesh, device) -> dict:
     from paratrain.models.plans import tp_plan_for
     from paratrain.models.presets import build_model
     from paratrain.parallel.comm import count_collectives
-    from paratrain.parallel.tensor_parallel import apply_tp
+    from paratrain.parallel.tp.tensor_parallel import apply_tp
     from paratrain.train.step import clip_grad_norm, lm_loss
 
     args = ModelArgs(name="bench", vocab_size=256, dim=DIM, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=192)

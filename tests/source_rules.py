@@ -144,3 +144,60 @@ def collectives_outside_the_door(source: str) -> list[str]:
     return [f"{node.lineno}: {ast.unparse(node.func)}" for node in ast.walk(tree)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
             and is_dist(node.func.value) and id(node) not in inside]
+
+
+# -- branches on a parallel dimension's name outside its package (tests/test_dim_branches.py) -----------------------
+def _degree_named(expr, dims: set[str]) -> bool:
+    """`x.tp`, `tp`, `x["tp"]`, or `(x.tp or 1)`: an expression that reads one of `dims`' degrees by name."""
+    if isinstance(expr, ast.BoolOp):
+        expr = expr.values[0]
+    if isinstance(expr, ast.Attribute):
+        return expr.attr in dims
+    if isinstance(expr, ast.Name):
+        return expr.id in dims
+    return isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value in dims
+
+
+def _is_number(expr) -> bool:
+    return isinstance(expr, ast.Constant) and type(expr.value) in (int, float)
+
+
+def _names_in(expr) -> list[str]:
+    """The string literals of `expr`: itself, or the items of a tuple, list or set literal."""
+    items = expr.elts if isinstance(expr, (ast.Tuple, ast.List, ast.Set)) else [expr]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def degree_comparisons(source: str, dims: set[str]) -> list[str]:
+    """Where `source` compares a dimension's degree, read by its name, with a number (`layout.tp > 1`, `pp == 1`,
+    `(cfg.tp or 1) > 1`), asks whether one dimension by name is on (`layout.cp_enabled`), or reads a degree with
+    getattr(x, "<dim>", default)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_degree_named(s, dims) for s in sides) and any(_is_number(s) for s in sides):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr.endswith("_enabled") and \
+                node.attr.removesuffix("_enabled") in dims:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and \
+                len(node.args) >= 2 and _names_in(node.args[1])[:1] and _names_in(node.args[1])[0] in dims:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def name_branches(source: str, dims: set[str]) -> list[str]:
+    """Where `source` branches on a dimension's name: compares anything with it (`group == "tp"`, `d in ("tp",
+    "cp")`), or lists two or more of them by hand (`for d in ("tp", "pp", "cp")`: what the registry lists)."""
+    tree = ast.parse(source)
+    found, compared = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(set(_names_in(s)) & dims for s in (node.left, *node.comparators)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+            compared.update(id(s) for s in node.comparators)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in compared and \
+                len(set(_names_in(node)) & dims) >= 2:
+            found.append(f"{node.lineno}: lists {ast.unparse(node)}")
+    return found

@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 
 from paratrain.config import TrainConfig
+from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import model_args_for
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import STRATEGY_TABLE, resolve_layout
-from paratrain.plan.inputs.hardware import profile_from_spec
 from paratrain.plan.plan_cli import fixed_choices
 from paratrain.plan.plan_report import candidate_doc
 from paratrain.plan.request import PlanRequest
@@ -25,7 +25,7 @@ from paratrain.plan.search import Job, search
 
 BASE = {"model": "tiny4", "seq_len": 64, "global_batch": 8, "device": "cpu"}
 VARIANTS = [
-    # ep splits a Mixture-of-Experts model's experts: a dense model is refused (parallel/expert_parallel.py)
+    # ep splits a Mixture-of-Experts model's experts: a dense model is refused (parallel/ep/expert_parallel.py)
     *[(name, {"single": 1, "hsdp": 4}.get(name, 2), {"model": "moe-tiny"} if name == "ep" else {})
       for name in STRATEGY_TABLE],
     ("pp", 2, {"micro_batch": 2}),

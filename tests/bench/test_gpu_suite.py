@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
-from paratrain.plan.inputs.hardware import profile_from_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITE = os.path.join(REPO, "benchmarks", "gpu_suite.py")

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from paratrain.calibrate import fit
+from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
-from paratrain.plan.inputs.hardware import profile_from_spec
 
 TRUE_COSTS = {"ddp_us_per_mib": 300.0, "fsdp_scale": 1.2, "fsdp_bwd_scale": 0.8, "dtensor_op": 40.0,
               "sp_call": 700.0, "cp_p2p_call": 500.0, "cp_all_to_all_call": 250.0, "pp_microbatch": 800.0}

@@ -90,7 +90,7 @@ def run(spec: dict) -> dict | None:
                 rows = make_train_data(cfg, model_args_for(cfg).vocab_size).open().next_global_batch(cfg.global_batch)
                 model = reference_model(cfg)
                 _, cols = np.nonzero(np.diff(rows["doc_ids"], axis=1))
-                chunk = cfg.seq_len // 4  # cp=2: the ring's blocks are chunks of seq/4 (parallel/ring_attention.py)
+                chunk = cfg.seq_len // 4  # cp=2: the ring's blocks are chunks of seq/4 (parallel/cp/ring_attention.py)
                 out["masks"][case["id"]] = {"loss": loss, "reference": document_alone_loss(model, rows),
                                             "boundaries": len(cols),
                                             "inside_ring_blocks": int(((cols + 1) % chunk != 0).sum())}

@@ -86,11 +86,11 @@ def test_model_args_read_the_shape(tmp_path):
 
 def test_refusals_tp_without_a_plan_and_pp_with_tp_and_a_tied_model_accepted(tmp_path):
     from paratrain.config import TrainConfig
-    from paratrain.models.hf_model import check_hf_run
     from paratrain.models.hf_pipeline import pipeline_view
     from paratrain.models.hf_shape import hf_model_args
     from paratrain.models.hf_tp_plan import hf_tp_plan
     from paratrain.parallel.strategies import resolve_layout
+    from paratrain.train.hf_run_checks import check_hf_run
 
     spec = f"hf:{write_config(tmp_path, 'gpt2')}"
     gpt2 = build_hf_model(spec)

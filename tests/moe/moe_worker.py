@@ -63,7 +63,7 @@ def rows_against_routing(rt) -> dict:
     """One step at ep=2: the rows this rank sends (read from its moe_splits counts as the collective passes)
     against the distinct (token, ep rank) pairs of its routers' own choices, summed over the ranks."""
     from paratrain.parallel.collective_hooks import add_interceptor
-    from paratrain.parallel.ep_exchange import split_counts
+    from paratrain.parallel.ep.ep_exchange import split_counts
 
     seen = {"rows": 0, "copies": 0, "pairs": 0}
 

@@ -23,9 +23,10 @@ from safetensors import safe_open
 from paratrain.convert.hf_export import export_checkpoint
 from paratrain.convert.moe_preset_export import check_mixtral_exportable
 from paratrain.errors import UserError
-from paratrain.models.hf_model import build_hf_model, check_hf_moe_run
+from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.layout import Layout
+from paratrain.train.hf_run_checks import check_hf_moe_run
 from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from reliability.inproc import launch_here
 
@@ -220,7 +221,7 @@ def test_router_aux_loss_coef_trains_as_transformers_own_loss(tmp_path, caplog):
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert ours["model.layers.0.mlp.gate.weight"].abs().sum() > 0
 
-    from paratrain.models.hf_model import warn_unapplied_balancing_loss
+    from paratrain.train.hf_run_checks import warn_unapplied_balancing_loss
 
     transformers.Qwen3MoeConfig(**COMMON, num_experts=4, router_aux_loss_coef=0.25).save_pretrained(tmp_path / "off")
     warn_unapplied_balancing_loss(Layout(), SimpleNamespace(model=f"hf:{tmp_path / 'off'}"))

@@ -23,7 +23,7 @@ from paratrain.models.hf_shape import args_from_hf_config
 from paratrain.models.moe import MoE
 from paratrain.models.presets import PRESETS, build_model, count_params
 from paratrain.parallel.dims import dim_named
-from paratrain.parallel.expert_parallel import check_ep
+from paratrain.parallel.ep.expert_parallel import check_ep
 from paratrain.parallel.layout import Layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -213,7 +213,7 @@ def test_ep_layouts_planted_faults_and_resume_at_another_ep_on_four_ranks(four_r
     # misrouting is seen as misrouting: the router's own decisions differ at step 1, the first layer named
     assert results["moe-swapped-ids"]["first_assignment_mismatch"]["layer"] == "layers.0.feed_forward"
     assert results["moe-swapped-ids"]["first_assignment_mismatch"]["step"] == 1
-    # a token travels once to each rank holding any of its experts (parallel/ep_exchange.py): the rows the
+    # a token travels once to each rank holding any of its experts (parallel/ep/ep_exchange.py): the rows the
     # ranks sent are the distinct (token, rank) pairs of their routers' choices, fewer than the routed copies
     rows = report["rows"]
     assert rows["rows"] == rows["pairs"] and 0 < rows["rows"] < rows["copies"], rows

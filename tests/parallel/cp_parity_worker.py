@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.errors import UserError
-from paratrain.parallel import ring_attention as ring_module
-from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
-from paratrain.parallel.ulysses import ulysses_attention
+from paratrain.parallel.cp import ring_attention as ring_module
+from paratrain.parallel.cp.ring_attention import ring_attention, zigzag_positions
+from paratrain.parallel.cp.ulysses import ulysses_attention
 
 WORLD = 4
 ATOL = 1e-5  # fp32: reference is F.scaled_dot_product_attention(is_causal=True) on the full sequence

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from groups import verified
 from paratrain.errors import UserError
-from paratrain.parallel.checks import check_cp
-from paratrain.parallel.context_parallel import sequence_sharder
-from paratrain.parallel.cp_comm import CPComm
+from paratrain.parallel.cp.context_parallel import sequence_sharder
+from paratrain.parallel.cp.cp_comm import CPComm
+from paratrain.parallel.cp.cp_technique import check_cp
+from paratrain.parallel.cp.ring_attention import ring_attention, zigzag_positions
+from paratrain.parallel.cp.ulysses import ulysses_attention
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
-from paratrain.parallel.ulysses import ulysses_attention
 
 
 def test_zigzag_layout_balances_the_causal_work():

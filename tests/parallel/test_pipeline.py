@@ -14,7 +14,7 @@ from paratrain.models.llama import ModelArgs
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.checks import check_layout
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.pipeline_split import carve_stage, layer_costs, split_into_stages, stage_ranks
+from paratrain.parallel.pp.pipeline_split import carve_stage, layer_costs, split_into_stages, stage_ranks
 from paratrain.parallel.strategies import resolve_layout, resolve_microbatches
 
 

@@ -15,9 +15,9 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.plans import llama_tp_plan, tp_plan_for
 from paratrain.models.presets import PRESETS, build_model
-from paratrain.parallel.checks import check_tp_divides, check_tp_with_dp
 from paratrain.parallel.layout import Layout
-from paratrain.parallel.tensor_parallel import check_plan, match_modules
+from paratrain.parallel.tp.tensor_parallel import check_plan, match_modules
+from paratrain.parallel.tp.tp_technique import check_tp_divides, check_tp_with_dp
 from paratrain.train.validate import validate_run
 
 

@@ -19,7 +19,7 @@ import torch
 from paratrain.models.gpt2 import GPT2
 from paratrain.models.hf_pipeline import hf_name
 from paratrain.models.presets import get_preset
-from paratrain.parallel.pipeline_split import carve_stage, split_into_stages
+from paratrain.parallel.pp.pipeline_split import carve_stage, split_into_stages
 from paratrain.parallel.tied_weights import is_tied_copy, mark_copy, tied_table_name
 from paratrain.train.step import clip_grad_norm
 

@@ -49,8 +49,8 @@ def test_a_tied_head_under_pp_is_an_ordinary_candidate(tmp_path):
     is planned as an ordinary candidate. Megatron's 175B layout as a transformers config runs as transformers'
     modules (`--model hf:`), whose pipeline composes with data parallelism only: priced, marked with that rule
     alone (never a tied-head rule)."""
-    from paratrain.models.hf_model import check_hf_pipeline_layout
     from paratrain.parallel.layout import Layout
+    from paratrain.train.hf_run_checks import check_hf_pipeline_layout
 
     job, hw, fixed = build_job({"model": "gpt2-124m", "gpu": "a100-80", "gpus": 8, "tp": 2, "pp": 4,
                                 "micro_batch": 1, "global_batch": 8, "seq_len": 1024, "dtype": "bf16"})

@@ -6,8 +6,8 @@ import pytest
 
 from helpers import CLIResult
 from paratrain.config import TrainConfig
+from paratrain.costs.hardware import load_profile
 from paratrain.plan.auto import resolve_auto_strategy
-from paratrain.plan.inputs.hardware import load_profile
 from reliability.inproc import run_cli_inproc
 
 

@@ -50,9 +50,9 @@ def test_plan_json_ranks_ep_candidates_and_the_chosen_one_runs(cli):
 def test_inter_node_all_to_all_pays_each_ranks_own_nic():
     """An all-to-all over 64 ranks, 8 to a node: each rank sends 56/64 of its payload through its own NIC (a ring's
     rails do not apply: no NIC is borrowed), the rest over NVLink meanwhile."""
+    from paratrain.costs.collectives import collective_time
+    from paratrain.costs.hardware import profile_from_spec
     from paratrain.gpu_catalog import get_gpu
-    from paratrain.plan.costing.collectives import collective_time
-    from paratrain.plan.inputs.hardware import profile_from_spec
 
     prof = profile_from_spec(get_gpu("h100-sxm"))
     payload = 1e9
@@ -69,10 +69,11 @@ def test_activation_checkpointing_replays_the_expert_exchange():
     prices 6 row all-to-alls, not 4, and the split counts and the copies' (row, gate) pairs twice (their gradient
     once).
     A token goes once to each rank holding any of its experts: r rows per token, fewer than its k copies."""
+    from paratrain.costs.expert_spread import ranks_per_token
+    from paratrain.costs.hardware import profile_from_spec
     from paratrain.gpu_catalog import get_gpu
-    from paratrain.plan.costing.expert_spread import ranks_per_token
-    from paratrain.plan.costing.time import TimeEstimate, moe_all_to_all
-    from paratrain.plan.inputs.hardware import profile_from_spec
+    from paratrain.parallel.ep.ep_cost import moe_all_to_all
+    from paratrain.plan.costing.time import TimeEstimate
 
     prof = profile_from_spec(get_gpu("h100-sxm"))
     args = get_preset("qwen3-30b-a3b")
@@ -139,11 +140,11 @@ def _tiny_qwen3_moe_dir(path, **shape) -> str:
 
 
 def test_plan_marks_what_the_runtime_refuses_for_an_hf_moe_model(tmp_path, cli_inproc):
-    """An hf: MoE model runs as transformers' modules, whose experts split with FSDP only (models/hf_model.py
+    """An hf: MoE model runs as transformers' modules, whose experts split with FSDP only (train/hf_run_checks.py
     check_hf_moe_run): the planner marks --ep with tp, pp or cp runtime_unsupported with the runtime's own words,
     and never recommends it, while paratrain's own MoE of the same shape may."""
     from paratrain.errors import UserError
-    from paratrain.models.hf_model import check_hf_moe_run
+    from paratrain.train.hf_run_checks import check_hf_moe_run
 
     tiny = _tiny_qwen3_moe_dir(tmp_path / "tiny")
     res = cli_inproc("plan", "--model", tiny, "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "64",
@@ -169,12 +170,12 @@ def test_plan_marks_what_the_runtime_refuses_for_an_hf_moe_model(tmp_path, cli_i
 
 
 def test_plan_marks_pp_with_tp_on_an_hf_dense_model_runtime_unsupported(tmp_path, cli_inproc):
-    """A transformers model's pipeline stages compose with data parallelism only (models/hf_model.py
+    """A transformers model's pipeline stages compose with data parallelism only (train/hf_run_checks.py
     check_hf_pipeline_layout): the planner marks pp x tp with the runtime's own words, as train refuses it."""
     from transformers import Qwen2Config
 
     from paratrain.errors import UserError
-    from paratrain.models.hf_model import check_hf_pipeline_layout
+    from paratrain.train.hf_run_checks import check_hf_pipeline_layout
 
     Qwen2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=256, max_position_embeddings=128).save_pretrained(str(tmp_path))
@@ -194,8 +195,8 @@ def test_ranks_a_token_reaches_by_routing():
     balanced benchmark gate (k consecutive experts from t*k) counted by hand."""
     import torch
 
+    from paratrain.costs.expert_spread import ranks_per_token
     from paratrain.errors import UserError
-    from paratrain.plan.costing.expert_spread import ranks_per_token
 
     gen = torch.Generator().manual_seed(0)
     for experts, k, ep in ((128, 8, 8), (256, 8, 64), (4, 2, 2)):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from paratrain import gpu_catalog as cat
+from paratrain.costs import hardware as hw
 from paratrain.errors import UserError
-from paratrain.plan.inputs import hardware as hw
 
 # the dense bf16 figures, each checked against the datasheet named in the catalog entry
 DENSE_BF16 = {"a100-40": 312, "a100-80": 312, "h100-sxm": 989, "h100-pcie": 756, "h200": 989, "a6000": 154.8,

@@ -34,7 +34,7 @@ def config_22b(tmp_path) -> str:
 
 
 def test_the_22b_example_answers_in_seconds_and_never_runs_ring_attention(config_22b, monkeypatch):
-    import paratrain.parallel.ring_attention as ring
+    import paratrain.parallel.cp.ring_attention as ring
 
     def refuse(*args, **kwargs):
         raise AssertionError("cp=1 was fixed: ring attention must not be traced")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.costs.collectives import collective_time
+from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
+from paratrain.parallel.dp.dp_cost import DDP_BUCKET_BYTES, distributed_optimizer_comm
 from paratrain.parallel.layout import Layout
-from paratrain.plan.costing.collectives import collective_time
-from paratrain.plan.costing.time import DDP_BUCKET_BYTES, TimeEstimate, distributed_optimizer_comm
-from paratrain.plan.inputs.hardware import profile_from_spec
+from paratrain.plan.costing.time import TimeEstimate
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_published.py"
 
@@ -65,6 +66,9 @@ def test_distributed_optimizer_hides_only_under_the_compute_it_is_given():
     lay = Layout(tp=8, dp_replicate=48, zero_stage=1, sp=True)  # one data-parallel member per node: one NIC
     grads, params = 16e9, 8e9
 
+    def rails(group):  # one member per node: one NIC
+        return 1
+
     def expected(fwd, bwd):
         total = 0.0
         for kind, nbytes, under in (("reduce_scatter", grads, bwd), ("all_gather", params, fwd)):
@@ -73,8 +77,8 @@ def test_distributed_optimizer_hides_only_under_the_compute_it_is_given():
             total += bucket + max(0.0, whole - bucket - prof.overlap * under)
         return total
 
-    short = distributed_optimizer_comm(prof, lay, grads, params, 0.06, 0.13, TimeEstimate())
-    long = distributed_optimizer_comm(prof, lay, grads, params, 0.25, 0.55, TimeEstimate())
+    short = distributed_optimizer_comm(prof, lay, grads, params, 0.06, 0.13, TimeEstimate(), rails)
+    long = distributed_optimizer_comm(prof, lay, grads, params, 0.25, 0.55, TimeEstimate(), rails)
     assert short == pytest.approx(expected(0.06, 0.13))
     assert long == pytest.approx(expected(0.25, 0.55))
     # 16 GB of fp32 gradients over one 400 Gb/s NIC at 80% take ~0.39 s: a 0.13 s backward leaves most exposed
@@ -84,8 +88,8 @@ def test_distributed_optimizer_hides_only_under_the_compute_it_is_given():
 def test_a_board_variants_stated_memory_bandwidth_prices_memory_bound_ops_and_keeps_the_peaks():
     """torchtitan's H100s are 96 GB HBM2e boards at 2.4 TB/s: memory-bound work slows by 3.35 / 2.4, matmuls keep
     the SXM datasheet peak."""
+    from paratrain.costs.hardware import with_cluster_overrides
     from paratrain.plan.costing.time import op_cost
-    from paratrain.plan.inputs.hardware import with_cluster_overrides
 
     sxm = profile_from_spec(get_gpu("h100-sxm"))
     board = profile_from_spec(with_cluster_overrides(get_gpu("h100-sxm"), mem_gib=96, mem_bw_gbs=2400))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.costs.collectives import collective_time, wire_bytes
+from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
 from paratrain.models.presets import get_preset
+from paratrain.parallel.group_nodes import members_per_node
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.pp.pp_cost import in_flight, pipeline_factor
 from paratrain.parallel.strategies import resolve_layout, train_args
-from paratrain.plan.costing.collectives import collective_time, members_per_node, wire_bytes
-from paratrain.plan.costing.memory import in_flight
-from paratrain.plan.costing.time import pipeline_factor
-from paratrain.plan.inputs.hardware import profile_from_spec
 from paratrain.plan.search import Job, base_layouts, structural_problem
 
 

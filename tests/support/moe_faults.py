@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from paratrain.parallel.ep_exchange import split_counts
+from paratrain.parallel.ep.ep_exchange import split_counts
 from paratrain.train.hooks import Hooks
 from support.planting import FaultSet
 
@@ -46,7 +46,7 @@ def _wrong_splits(hooks: Hooks) -> list:
     def on_collective(call, proceed):
         out = proceed()
         if call.purpose == "moe_splits" and call.rank == 1:
-            # each source's copies per local expert, then its row count (parallel/ep_exchange.py)
+            # each source's copies per local expert, then its row count (parallel/ep/ep_exchange.py)
             per_expert, _ = split_counts(call.tensors[1], dist.get_world_size(call.group))
             per_expert.copy_(per_expert.flip(1))
         return out

@@ -144,12 +144,12 @@ def test_trainer_calls_each_step_point_once_per_step_in_order(monkeypatch):
 
 
 def test_context_parallel_all_to_all_passes_the_door(monkeypatch):
-    """Ulysses' all-to-all (parallel/cp_comm.py) reaches an interceptor named "cp_ulysses" over "cp", with the
+    """Ulysses' all-to-all (parallel/cp/cp_comm.py) reaches an interceptor named "cp_ulysses" over "cp", with the
     tensors it moves; a world of one rank, in this process."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
-    from paratrain.parallel.ulysses import ulysses_attention
+    from paratrain.parallel.cp.ulysses import ulysses_attention
     from paratrain.train.runtime import init_runtime, shutdown
 
     q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))

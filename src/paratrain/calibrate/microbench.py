@@ -152,7 +152,7 @@ def _latency_between_compute(fn, device, budget_s: float) -> float:
 
 
 def bench_collectives(device, sizes, budget_s: float) -> dict[str, dict[str, float]]:
-    from paratrain.plan.costing.collectives import WIRE_FACTOR
+    from paratrain.costs.collectives import WIRE_FACTOR
 
     world = dist.get_world_size()
     out = {}

@@ -19,8 +19,8 @@ from paratrain.calibrate.microbench import (
     bench_overlap,
 )
 from paratrain.calibrate.timing import record_latencies
+from paratrain.costs.hardware import HardwareProfile, default_profile_path, detect
 from paratrain.gpu_catalog import GPUSpec
-from paratrain.plan.inputs.hardware import HardwareProfile, default_profile_path, detect
 from paratrain.plan.request import PlanRequest
 
 log = logging.getLogger("paratrain")

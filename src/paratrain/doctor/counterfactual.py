@@ -38,7 +38,7 @@ def grad_sync_removable(trainer) -> bool:
     """True where a probe can skip the gradient sync: every model part is DDP-wrapped (has no_sync)."""
     parts = trainer.step_runner.model_parts
     return trainer.distributed and bool(parts) and all(hasattr(p, "no_sync") for p in parts) and \
-        trainer.layout.pp == 1
+        not trainer.layout.splits_stages
 
 
 def _no_grad_sync(trainer):
@@ -116,7 +116,7 @@ def alone_in_turn(trainer, micro_batches) -> dict:
 
 def alone_removable(trainer) -> bool:
     """True where the step can run on one rank alone: plain DDP over a single model (PlainStep)."""
-    from paratrain.parallel.expert_parallel import forward_runs_collectives
+    from paratrain.parallel.ep.expert_parallel import forward_runs_collectives
 
     return grad_sync_removable(trainer) and len(trainer.step_runner.model_parts) == 1 and \
         hasattr(trainer.step_runner.model, "module") and dist.is_initialized() and \

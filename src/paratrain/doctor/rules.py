@@ -279,14 +279,14 @@ def check_communication(ctx: Context) -> Finding | None:
     micro = layout.micro_batch
     accumulate = (f"accumulate: keep --micro-batch {micro} and raise --global-batch to "
                   f"{ctx.cfg.global_batch * 4} (one gradient sync per 4 micro-batches)")
-    if not layout.fsdp and layout.tp == 1 and layout.pp == 1 and layout.cp == 1:
+    if layout.data_parallel_only:
         fix = (f"--ddp-comm-hook bf16 (halves all-reduce bytes); {accumulate}; --strategy zero2 (reduce-scatter, "
                f"overlaps with backward); bigger DDP buckets (bucket_cap_mb) if many small all-reduces; "
                f"--local-sgd-period 8 to average every 8 steps")
     elif layout.fsdp:
         fix = (f"{'--strategy zero2 (no parameter re-gather in backward); ' if layout.zero_stage != 2 else ''}"
                f"{accumulate}; across nodes use hsdp (--dp-replicate nodes) so shards stay on fast links")
-    elif layout.tp > 1:
+    elif layout.splits_within_layers:
         fix = "keep --tp within one node (fast links); use --sp; give the rest of the devices to --dp-shard"
     else:
         fix = f"{accumulate}; fewer ranks per collective (lower the degree of the communicating dimension)"
@@ -312,7 +312,7 @@ def check_allocation(ctx: Context) -> Finding | None:
             f"run with OMP_NUM_THREADS={max(1, cores // local)} (cores / ranks; paratrain only sets it when unset), "
             f"or fewer processes (--nproc {max(1, cores // max(1, threads))})",
             {"threads_per_rank": threads, "ranks": local, "cores": cores}))
-    if ctx.layout.pp > 1:
+    if ctx.layout.splits_stages:
         stages = ctx.layout.pp * ctx.layout.virtual_stages
         layers = ctx.args.n_layers
         per = [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -171,61 +170,5 @@ def quiet_transformers():
             logging_.enable_progress_bar()
 
 
-def check_hf_run(layout, cfg, args) -> None:
-    """What a transformers model cannot do under paratrain (yet), refused in one line before any process starts
-    (train/validate.py) and again in each worker. `args`: the model's ModelArgs (models/hf_args.py)."""
-    if cfg.init_from:
-        raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
-                        "are loaded by --model hf:DIR")
-    kind = read_hf_config(cfg.model)["model_type"]
-    if getattr(args, "moe", False):
-        check_hf_moe_run(layout, kind, args.n_experts)
-    check_hf_pipeline_layout(layout)  # after the MoE rules, in the planner's order (plan/layout_rules.py)
-    if layout.tp_enabled and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
-                                         "base_model_tp_plan", None):
-        raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
-                        "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
-
-
-def check_hf_pipeline_layout(layout) -> None:
-    """A transformers model's pipeline stages (models/hf_pipeline.py) compose with data parallelism only."""
-    if layout.pp_enabled and (layout.tp_enabled or layout.cp_enabled):
-        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
-                        "pp composes with data parallelism (ddp, zero, hsdp) here")
-
-
-def warn_unapplied_balancing_loss(layout, cfg) -> None:
-    """One line when an hf: MoE config's router_aux_loss_coef will not train (models/hf_moe.py): transformers
-    itself leaves it out without output_router_logits, and a pipeline's stages do not compute it."""
-    doc = read_hf_config(cfg.model)
-    coef = doc.get("router_aux_loss_coef")
-    if not isinstance(coef, int | float) or coef <= 0 or os.environ.get("RANK", "0") != "0":
-        return
-    if not doc.get("output_router_logits"):
-        log.warning("%s: router_aux_loss_coef %g is not applied: the config's output_router_logits is false, and "
-                    "transformers adds the balancing loss only with it (set it true to train with that loss)",
-                    cfg.model, coef)
-    elif layout.pp_enabled:
-        log.warning("%s: router_aux_loss_coef %g is not applied under pipeline parallelism (the balancing loss "
-                    "needs every layer's router logits in one forward): run without pp to train with it",
-                    cfg.model, coef)
-
-
 # MoE families whose experts paratrain's forward (models/hf_moe.py) is verified on under --ep and --tp
 EXPERT_SPLIT_VERIFIED = ("qwen3_moe", "mixtral", "olmoe")
-
-
-def check_hf_moe_run(layout, kind: str, n_experts: int) -> None:
-    """What a transformers MoE model cannot do with its experts split (--ep, --tp), in one line."""
-    ep = getattr(layout, "ep", 1)
-    if (ep > 1 or layout.tp_enabled) and kind not in EXPERT_SPLIT_VERIFIED:
-        raise UserError(f"--ep / --tp split the experts of {', '.join(EXPERT_SPLIT_VERIFIED)} hf: models; {kind} runs "
-                        "with a data-parallel strategy (ddp, zero1/2/3)")
-    if ep > 1 and (layout.tp_enabled or layout.pp_enabled or layout.cp_enabled):
-        raise UserError(f"--ep on an hf: model composes with FSDP only (dp_shard); {kind} with --ep and tp, pp or cp "
-                        "is not supported: use --ep with --strategy ep or zero3")
-    if layout.tp_enabled and n_experts % layout.tp:  # --tp splits the experts by expert (models/hf_moe.py)
-        raise UserError(f"--tp {layout.tp} does not divide the model's {n_experts} experts (tp splits them by expert)")
-    if layout.tp_enabled and layout.sp:
-        raise UserError(f"sequence parallelism is not supported for an hf: MoE model ({kind}): use --strategy tp "
-                        "(no SP)")

@@ -7,14 +7,14 @@ the weights exactly as they are (names, shapes, checkpoints, export) and replace
 computes, through transformers' documented experts interface: `experts_implementation="paratrain"`
 (integrations/moe.py's ExpertsInterface, as `attn_implementation` is for attention). The registered forward
 is paratrain's: the routed copies sorted by expert, one grouped GEMM (or a loop), through the swap points
-`dispatch` (local here; parallel/expert_parallel.py swaps in the all-to-all under --ep) and, under --tp,
+`dispatch` (local here; parallel/ep/expert_parallel.py swaps in the all-to-all under --ep) and, under --tp,
 the experts split over the tp ranks by expert (SplitExpertsOverTP below). It also keeps each layer's routing
 fingerprint (`last_routing`) that verify compares, as models/moe.py does.
 
 The balancing loss is transformers' own: `router_aux_loss_coef` times its `load_balancing_loss_func` of every
 layer's router logits, added when the config sets `output_router_logits` (as transformers adds it to its `labels`
 loss then, and only then). Its routed-copy fractions are counted over all data ranks (`reduce_counts`, the
-all-reduce parallel/expert_parallel.py installs), as paratrain's own MoE counts them, so a layout computes what
+all-reduce parallel/ep/expert_parallel.py installs), as paratrain's own MoE counts them, so a layout computes what
 one device computes; each rank's mean router probabilities are averaged like the language-model loss. As for
 paratrain's own MoE it rides on the backward (`AddAuxLoss`): the reported loss is the next-token loss. Without
 `output_router_logits`, `reduce_counts` is None: the router's counts never leave the rank.
@@ -71,7 +71,7 @@ def install_paratrain_experts(hf_model: nn.Module) -> int:
     ExpertsInterface.register(IMPLEMENTATION, paratrain_experts_forward)
     hf_model.set_experts_implementation(IMPLEMENTATION)
     for _, module in modules:
-        module.dispatch = local_dispatch  # parallel/expert_parallel.py: the all-to-all under --ep
+        module.dispatch = local_dispatch  # parallel/ep/expert_parallel.py: the all-to-all under --ep
         # counted over the data ranks only for the balancing loss (module docstring)
         module.reduce_counts = identity_counts if balancing_coef(hf_model.config) else None
         module.aux_scale = 1.0

@@ -1,5 +1,5 @@
 """A transformers model seen through paratrain's pipeline interface (tok_embeddings / layers / norm / output),
-so parallel/pipeline_split.py can cut it into stages like a preset.
+so parallel/pp/pipeline_split.py can cut it into stages like a preset.
 
 The cut follows the model's `base_model_pp_plan` (embed_tokens -> layers -> norm, then the head). A stage runs
 its part of the base model's forward: the lookup on the first stage, then its decoder layers, each given the
@@ -78,7 +78,7 @@ def pipeline_view(model: nn.Module, args: ModelArgs) -> HFStages:
 
 def hf_name(part: nn.Module, name: str) -> str:
     """A stage's parameter or module name as the whole, unwrapped model names it: a transformers model's own
-    name, and for a last stage's copy of a tied table (parallel/pipeline_split.py: `tied_names`) the table's."""
+    name, and for a last stage's copy of a tied table (parallel/pp/pipeline_split.py: `tied_names`) the table's."""
     name = getattr(part, "tied_names", {}).get(name, name)
     prefixes = getattr(part, "hf_prefixes", None)
     if not prefixes:

@@ -1,6 +1,6 @@
 """A Mixture-of-Experts feed-forward (router, routed experts, optional shared experts) and the decoder using it.
 
-Plain PyTorch, like llama.py. Three swap points let parallel/expert_parallel.py act from outside:
+Plain PyTorch, like llama.py. Three swap points let parallel/ep/expert_parallel.py act from outside:
 `MoE.dispatch` (the routed copies to their experts and each token's gated sum back; local by default, an
 all-to-all over the expert-parallel ranks under --ep), `MoE.reduce_counts`
 (identity by default; the all-reduce that makes the load-balancing loss global over the data ranks) and
@@ -149,7 +149,7 @@ class MoE(nn.Module):
         self.shared = FeedForward(args.dim, args.expert_dim * args.n_shared_experts) if args.n_shared_experts else None
         self.aux_coeff, self.bias_rate, self.capacity_factor = args.aux_loss_coeff, args.bias_update_rate, \
             args.capacity_factor
-        self.dispatch = local_dispatch  # parallel/expert_parallel.py swaps in the all-to-all
+        self.dispatch = local_dispatch  # parallel/ep/expert_parallel.py swaps in the all-to-all
         self.reduce_counts = identity_counts  # ... and the all-reduce over the data ranks
         self.aux_scale = 1.0  # the weight of one micro-batch's loss (1 / micro-batches)
         self.last_load: torch.Tensor | None = None  # tokens per expert over all data ranks, last forward

@@ -114,17 +114,36 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    # -- what the run does to the model: the questions callers outside parallel/ ask (not a degree by name) ----
     @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
+    def splits_stages(self) -> bool:
+        """Each rank holds pipeline stages, not the whole model: the step runs a pipeline schedule."""
         return self.pp > 1
 
     @property
-    def cp_enabled(self) -> bool:
+    def splits_within_layers(self) -> bool:
+        """Each layer's matmuls are split over ranks (tensor parallel): the model needs a TP plan, and its
+        weights and outputs are DTensors."""
+        return self.tp > 1
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Each rank holds a slice of every sequence (context parallel): batches are sharded along the sequence."""
         return self.cp > 1
+
+    @property
+    def splits_experts(self) -> bool:
+        """Each MoE layer's experts are split over ranks (expert parallel)."""
+        return self.ep > 1
+
+    @property
+    def data_parallel_only(self) -> bool:
+        """Every rank holds the whole model and whole sequences, nothing sharded: ranks differ only in the data
+        they read (a single device, DDP or ZeRO-1)."""
+        return all(getattr(self, n) == 1 for n in DEGREE_NAMES if n != "dp_replicate")
+
+    # the same questions by technique name, for code inside parallel/ (and the planner, until issue 45 moves it)
+    tp_enabled, pp_enabled, cp_enabled = splits_within_layers, splits_stages, splits_sequences
 
     def degrees(self) -> dict[str, int]:
         """Every degree, outermost first (the `dims` of plan, bench and verify JSON)."""
@@ -200,7 +219,7 @@ class Layout:
     @property
     def strategy(self) -> str:
         """The `--strategy` name that, with the degrees given explicitly, runs this layout."""
-        if getattr(self, "ep", 1) > 1 and self.dp_replicate == 1:
+        if self.splits_experts and self.dp_replicate == 1:
             return "ep"
         if self.dp_shard > 1:
             if self.dp_replicate > 1:

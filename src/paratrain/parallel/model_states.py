@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from paratrain.parallel.collective_device import collective_device
 from paratrain.parallel.collective_hooks import collective
-from paratrain.parallel.data_parallel import unsharded_bytes_held
+from paratrain.parallel.dp.data_parallel import unsharded_bytes_held
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 gradients are summed over a group of exactly those two pipeline ranks. Both copies then take the same optimizer
 step and stay identical. The head's copy is marked so the global grad norm counts the shared weight once.
 
-The first stage sits on pp rank 0 and the last on pp rank pp-1 (parallel/pipeline_split.py's "loop" placement),
+The first stage sits on pp rank 0 and the last on pp rank pp-1 (parallel/pp/pipeline_split.py's "loop" placement),
 so with pp > 1 the two copies never share a rank.
 """
 

@@ -16,8 +16,8 @@ log = logging.getLogger("paratrain")
 
 
 def auto_hardware(device: str):
+    from paratrain.costs.hardware import default_profile_path, detect, load_profile, profile_from_spec
     from paratrain.gpu_catalog import get_gpu
-    from paratrain.plan.inputs.hardware import default_profile_path, detect, load_profile, profile_from_spec
 
     machine = detect()
     use_cuda = device == "cuda" or (device == "auto" and machine["device"] == "cuda")

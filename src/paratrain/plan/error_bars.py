@@ -17,6 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
+from paratrain.parallel.dims import techniques
+
 FORMAT = "paratrain-error-bars/1"
 BARS_FILE = Path(__file__).with_name("error_bars.json")
 MIN_CASES = 3
@@ -24,28 +26,20 @@ MIN_CASES = 3
 FALLBACK = {"FSDP": "data-parallel", "DDP/ZeRO-1": "data-parallel", "single": "data-parallel",
             "data-parallel": "all", "tensor-parallel": "all", "context-parallel": "all", "pipeline": "all"}
 # what the predictions of the published runs depend on besides the traced model code (checked apart)
-INPUT_FILES = ("plan/costing/collectives.py", "plan/costing/compose.py", "plan/costing/memory.py",
-               "plan/costing/time.py", "plan/search.py", "plan/job.py", "plan/inputs/hardware.py", "gpu_catalog.py",
-               "plan/error_bars.py")
+INPUT_FILES = ("costs/collectives.py", "costs/expert_spread.py", "plan/costing/compose.py", "plan/costing/memory.py",
+               "plan/costing/time.py", "plan/search.py", "plan/job.py", "costs/hardware.py", "gpu_catalog.py",
+               "plan/error_bars.py", "parallel/technique.py", "parallel/dp/dp_cost.py", "parallel/tp/tp_cost.py",
+               "parallel/pp/pp_cost.py", "parallel/ep/ep_cost.py", "parallel/dp/dp_technique.py",
+               "parallel/tp/tp_technique.py", "parallel/pp/pp_technique.py", "parallel/cp/cp_technique.py",
+               "parallel/ep/ep_technique.py")
 
 
 def layout_family(lay) -> str:
     """The kind of layout an error bar is measured on: the outermost technique that shapes its step time (an
     expert-parallel layout's token exchange and routing first: its bar is measured on MoE runs alone, and no
     dense family's bar counts them)."""
-    if getattr(lay, "ep", 1) > 1:
-        return "expert-parallel"
-    if lay.pp > 1:
-        return "pipeline"
-    if lay.cp > 1:
-        return "context-parallel"
-    if lay.tp > 1:
-        return "tensor-parallel"
-    if lay.fsdp:
-        return "FSDP"
-    if lay.dp > 1:
-        return "DDP/ZeRO-1"
-    return "single"
+    ranked = [(t.family_rank, t.family_of(lay)) for t in techniques()]
+    return max(((rank, family) for rank, family in ranked if family), default=(0, "single"))[1]
 
 
 def pooled(family: str) -> list[str]:

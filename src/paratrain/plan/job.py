@@ -24,7 +24,7 @@ class Job:
     # optimizer (gradients reduce-scattered and parameters all-gathered once per step, both overlapped)
     async_tp: bool = False
     dist_optimizer: bool = False
-    # which experts a token's k choices are, for --ep's exchange (plan/costing/expert_spread.py): "random" (a
+    # which experts a token's k choices are, for --ep's exchange (costs/expert_spread.py): "random" (a
     # trained, balanced router) unless a benchmark's gate says otherwise (benchmarks/published_runs.json)
     moe_routing: str = "random"
 

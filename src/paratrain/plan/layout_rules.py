@@ -61,7 +61,7 @@ def _check_hf_runtime(job: Job, lay: Layout) -> None:
     spec = job.hf_config or (job.model_name if is_hf_model(job.model_name) else None)
     if not spec:
         return
-    from paratrain.models.hf_model import check_hf_moe_run, check_hf_pipeline_layout
+    from paratrain.train.hf_run_checks import check_hf_moe_run, check_hf_pipeline_layout
 
     if job.args.moe:
         check_hf_moe_run(lay, _hf_model_type(spec), job.args.n_experts)
@@ -79,7 +79,7 @@ def unpriceable(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
     """Why the cost model cannot price this layout at all, or None: the model or the batch does not split as
     asked, the family has no TP plan to trace, or TP would span nodes (the planner's own rule). Any other
     structural problem is a rule of paratrain's runtime: such a layout is priced and marked runtime_unsupported."""
-    from paratrain.parallel.checks import check_cp
+    from paratrain.parallel.cp.cp_technique import check_cp
 
     args = job.args
     if args.n_layers < lay.pp * lay.virtual_stages:

@@ -7,18 +7,18 @@ import logging
 import math
 from collections.abc import Mapping
 
+from paratrain.costs.hardware import (
+    HardwareProfile,
+    load_profile,
+    profile_from_spec,
+    with_cluster_overrides,
+)
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import custom_gpu, get_gpu, mig_slice
 from paratrain.parallel.dims import mesh_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES
 from paratrain.plan.error_bars import describe
 from paratrain.plan.inputs.cluster import Cluster, reference_profile, resolve_cluster
-from paratrain.plan.inputs.hardware import (
-    HardwareProfile,
-    load_profile,
-    profile_from_spec,
-    with_cluster_overrides,
-)
 from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job
 from paratrain.train.counts import readable_count

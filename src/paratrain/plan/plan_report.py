@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import math
 
+from paratrain.costs.hardware import HardwareProfile
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import train_args
 from paratrain.plan.costing.memory import GIB
 from paratrain.plan.error_bars import error_bar
 from paratrain.plan.gc_pause import gc_paused
-from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.search import (
     Candidate,
     Job,
@@ -51,33 +51,33 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
         kind = "ZeRO-1 (optimizer state sharded)" if lay.zero_stage == 1 else "DDP"
         out.append(f"{kind}: every GPU holds {_gib(model_states_floor(job, lay))} of model states")
     gpn = gpu.gpus_per_node
-    if lay.tp > 1:
+    if lay.tp_enabled:
         where = lay.placement("tp", gpn)
         out.append(f"TP={lay.tp} kept inside a node: intra-node {gpu.intra_node_gbs:g} GB/s vs inter-node "
                    f"{gpu.inter_node_gbs:g} GB/s" if where == "intra" else
                    f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s")
         if lay.sp:
             out.append("sequence parallel keeps norms and the residual stream sharded between blocks")
-    if lay.cp > 1:
+    if lay.cp_enabled:
         out.append(f"CP ({lay.cp_impl}) splits each {job.seq_len}-token sequence {lay.cp} ways: activations / {lay.cp}")
     if lay.ac != "none":
         extra = "re-runs each block's forward in the backward" if lay.ac == "full" else \
             "recomputes norms and elementwise ops, keeps matmul outputs"
         out.append(f"activation checkpointing '{lay.ac}' {extra}; without it this layout needs more memory")
-    if lay.pp > 1 and cand.time is not None:
+    if lay.pp_enabled and cand.time is not None:
         bubble = cand.time.bubble_s / cand.time.step_s
         out.append(f"pipeline {lay.pp_schedule}{f' x{lay.virtual_stages} stages/rank' if lay.virtual_stages > 1 else ''}"
                    f": {lay.microbatches} micro-batches, bubble {bubble:.0%} of the step")
     if cand.time is not None:
         t = cand.time
-        if lay.dp > 1 or lay.cp > 1:
-            group = "dp_shard_cp" if (lay.fsdp and lay.cp > 1) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
+        if lay.dp > 1 or lay.cp_enabled:
+            group = "dp_shard_cp" if (lay.fsdp and lay.cp_enabled) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
             where = lay.placement(group, gpn)
             if where == "inter":
                 out.append(f"data-parallel collectives cross nodes ({gpu.inter_node_gbs:g} GB/s per GPU)")
         out.append(f"step {t.step_s:.3g} s: compute {t.compute_s / t.step_s:.0%}, exposed communication "
                    f"{t.comm_exposed_s / t.step_s:.0%}" + (f", bubble {t.bubble_s / t.step_s:.0%}" if t.bubble_s else ""))
-        if lay.microbatches > 1 and lay.pp == 1:
+        if lay.microbatches > 1 and not lay.pp_enabled:
             out.append(f"micro-batch {lay.micro_batch} x {lay.microbatches} gradient-accumulation steps per GPU")
     return out
 
@@ -86,9 +86,9 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
     lay, t = cand.layout, cand.time
     doc = {
         "strategy": lay.strategy, "dims": lay.degrees(),
-        "pp_schedule": lay.pp_schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages,
+        "pp_schedule": lay.pp_schedule if lay.pp_enabled else None, "virtual_stages": lay.virtual_stages,
         "microbatches": lay.microbatches, "micro_batch": lay.micro_batch, "activation_checkpointing": lay.ac,
-        "zero_stage": lay.zero_stage, "sp": lay.sp and lay.tp > 1, "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+        "zero_stage": lay.zero_stage, "sp": lay.sp and lay.tp_enabled, "cp_impl": lay.cp_impl if lay.cp_enabled else None,
         "memory_gib": cand.memory.gib() if cand.memory else None,
         "memory_peak_phase": cand.memory.phase if cand.memory else None,
         "step_time_s": t.step_s if t else None,

@@ -16,6 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from paratrain.costs.hardware import HardwareProfile
 from paratrain.errors import UserError
 from paratrain.parallel.layout import DEGREE_DIMS, DIM_NAMES, Layout, subdivision_problem
 from paratrain.parallel.options import (
@@ -28,15 +29,11 @@ from paratrain.parallel.options import (
 from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
-from paratrain.plan.inputs.hardware import HardwareProfile
 from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
 from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
 
 CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 SUBDIVIDING_DIMS = tuple(d for d in DEGREE_DIMS if not d.world_factor)
-# the dims that add no ranks which the search tries above 1 when left open, and for which models: --ep splits an
-# MoE model's experts (its degree must divide them); any other such dim stays at 1 unless fixed
-SUBDIVISION_SEARCHED = {"ep": lambda args, n: args.moe and args.n_experts % n == 0}
 
 
 @dataclass
@@ -105,8 +102,9 @@ def subdivision_degrees(job: Job, degrees: dict, fixed: dict) -> list[dict[str, 
             options.append([(dim.name, fixed[dim.name])])
             continue
         ranks = math.prod(degrees[d] for d in dim.within)
-        searched = SUBDIVISION_SEARCHED.get(dim.name, lambda args, n: n == 1)
-        options.append([(dim.name, n) for n in divisors(ranks) if n == 1 or searched(job.args, n)])
+        # left open, each technique says which degrees are worth trying (--ep: those dividing an MoE model's
+        # experts); a dimension without one stays at 1
+        options.append([(dim.name, n) for n in divisors(ranks) if n == 1 or dim.technique.searched_degree(job.args, n)])
     out = [dict(combo) for combo in itertools.product(*options)]
     return [d for d in out if not subdivision_problem({**degrees, **d})]
 
@@ -119,9 +117,9 @@ def layouts_of_degrees(job: Job, degrees: dict, fixed: dict, searched_schedules:
     if fixed.get("zero_stage") is not None:
         stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
     # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
-    # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP. --ep runs without SP
-    # (parallel/expert_parallel.py check_ep), so an expert-parallel layout gets plain TP
-    plain_tp = degrees.get("ep", 1) > 1
+    # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP. A technique that runs
+    # without SP (--ep: parallel/ep/expert_parallel.py check_ep) makes the layout's TP plain
+    plain_tp = not all(d.technique.allows_sp(degrees.get(d.name, 1)) for d in DEGREE_DIMS)
     sps = ((fixed["sp"],) if fixed.get("sp") is not None else (not plain_tp,)) if tp > 1 else (False,)
     impls = CP_IMPLS if cp > 1 else CP_IMPLS[:1]
     schedules = [(DEFAULT_PP_SCHEDULE, 1)]

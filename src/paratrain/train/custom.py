@@ -38,11 +38,12 @@ class CustomModel:
     name: str = "custom"
 
     def check(self, layout, cfg) -> None:
-        for what, on in (("pipeline parallelism (pp)", layout.pp_enabled), ("context parallelism (cp)", layout.cp_enabled)):
+        for what, on in (("pipeline parallelism (pp)", layout.splits_stages),
+                         ("context parallelism (cp)", layout.splits_sequences)):
             if on:
                 raise UserError(f"{what} needs a paratrain model family; a custom model ({self.name}) trains under "
                                 "single, ddp, zero1/2/3, hsdp, or tp with a tp_plan")
-        if layout.tp_enabled and self.tp_plan is None:
+        if layout.splits_within_layers and self.tp_plan is None:
             raise UserError(f"tensor parallelism needs a TP plan for the custom model {self.name} (tp_plan=...)")
         if cfg.init_from:
             raise UserError("--init-from loads Hugging Face weights into a paratrain preset, not a custom model")

@@ -23,7 +23,7 @@ from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.options import PP_SCHEDULES
 from paratrain.parallel.parallelize import parallelize
-from paratrain.parallel.pipeline_split import carve_stage, split_into_stages, stage_ranks
+from paratrain.parallel.pp.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.parallel.tied_weights import TiedGradSum, end_stage_groups, mark_copy, tied_table_name
 from paratrain.train.data import Batch
 from paratrain.train.optim import build_optimizer
@@ -258,7 +258,7 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
         if ranks[spec.index] != pp_rank:
             continue
         carved = carve_stage(model, spec)
-        part = parallelize(carved, layout, tp_plan_for(carved) if layout.tp_enabled else None)
+        part = parallelize(carved, layout, tp_plan_for(carved) if layout.splits_within_layers else None)
         if table is not None and spec.first:
             tied_copy = carved.get_parameter(f"tok_embeddings.{table}")  # after parallelize: the sharded one
         elif table is not None and spec.last:

@@ -36,7 +36,7 @@ def check_fp8(layout, device_type: str, gpu: tuple[str, tuple[int, int]] | None 
     if tuple(capability) < FP8_MIN_CAPABILITY:
         raise UserError(f"--dtype fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper or newer); "
                         f"{name} is {capability[0]}.{capability[1]}: use --dtype bf16")
-    if layout.tp > 1:
+    if layout.splits_within_layers:
         raise UserError(f"--dtype fp8 with tensor parallel (tp={layout.tp}) needs torchao's float8 TP styles, which "
                         "paratrain does not apply yet: use fp8 with single, ddp, zero1/2/3 or hsdp, or bf16 with tp")
     if importlib.util.find_spec("torchao") is None:

@@ -17,7 +17,7 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.gpu_catalog import catalog_name_for, device_peak_tflops
 from paratrain.models.hf_files import is_hf_model
-from paratrain.models.hf_model import build_hf_model, check_hf_run
+from paratrain.models.hf_model import build_hf_model
 from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for
@@ -33,6 +33,7 @@ from paratrain.train.counts import plural, readable_count
 from paratrain.train.data_loading import make_batch_source, make_prefetcher, make_train_data
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.faults import RunFailed
+from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.host_memory import ResidentBaseline
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
@@ -96,7 +97,7 @@ class Trainer:
         if self.hf:  # a transformers model (--model hf:PATH): its own module tree, its own TP plan
             check_hf_run(layout, cfg, self.args)
             model = build_hf_model(cfg.model, cfg.seed)
-            if layout.pp_enabled:  # the same modules, seen as embedding / layers / norm / head for the stage split
+            if layout.splits_stages:  # the same modules, seen as embedding / layers / norm / head for the stage split
                 model = pipeline_view(model, self.args)
         else:
             model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
@@ -189,22 +190,22 @@ class Trainer:
         layout = self.layout
         use_autocast = layout.dtype != "fp32"
         plan_for = self._plan_for()
-        if layout.pp_enabled:
+        if layout.splits_stages:
             from paratrain.train.pipeline_step import build_pipeline_step
 
             return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, self.hooks)
         prepare = None
-        if layout.cp_enabled:
-            from paratrain.parallel.context_parallel import sequence_sharder
+        if layout.splits_sequences:
+            from paratrain.parallel.cp.context_parallel import sequence_sharder
 
             prepare = sequence_sharder(layout)
         prepare = self._prepare_batch(prepare)
         graphs = self.cfg.cuda_graphs  # one GPU (train/precision.py): the whole model, captured
         # on one device too: AC and compile live there. Under a built-in TP plan the logits stay vocab-sharded
         # (loss parallel: no all-gather of the logits); the loss then runs under loss_parallel()
-        loss_parallel = layout.tp_enabled and not self.custom
+        loss_parallel = layout.splits_within_layers and not self.custom
         plan = None
-        if layout.tp_enabled:
+        if layout.splits_within_layers:
             plan = plan_for(model, loss_parallel=True) if loss_parallel else plan_for(model)
         model = parallelize(model, layout.replace(compile=False) if graphs else layout, plan)
         self.hooks.fire("after_parallelize", model, layout)
@@ -219,7 +220,7 @@ class Trainer:
         else:
             loss_fn = lm_loss
         # DTensor logits stay eager: the loss_parallel() context is not traced
-        if (layout.compile or graphs) and not layout.tp_enabled:
+        if (layout.compile or graphs) and not layout.splits_within_layers:
             loss_fn = compile_loss(loss_fn)
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
                          loss_parallel=loss_parallel, mark_graph_steps=graphs,
@@ -233,7 +234,7 @@ class Trainer:
         if own is not None:
             return own
         if self.layout.zero_stage == 1:
-            from paratrain.parallel.data_parallel import build_zero1_optimizer
+            from paratrain.parallel.dp.data_parallel import build_zero1_optimizer
 
             return [build_zero1_optimizer(self.params, cfg, self.layout, self.rt.device_type)]
         return [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.rt.device_type)]
@@ -299,7 +300,7 @@ class Trainer:
             set_lr(opt, lr)
             if self.scaler:
                 self.scaler.unscale_(opt)
-        pp_group = self.layout.submesh("pp").get_group() if self.layout.pp_enabled else None
+        pp_group = self.layout.submesh("pp").get_group() if self.layout.splits_stages else None
         norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
         self.hooks.fire("before_optimizer_step", self)
         for opt in self.optimizers:

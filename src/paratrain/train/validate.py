@@ -8,13 +8,14 @@ import os
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.hf_files import is_hf_model, read_hf_config
-from paratrain.models.hf_model import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.models.presets import model_args_for
-from paratrain.parallel.checks import check_layout, check_tp_divides
+from paratrain.parallel.checks import check_layout
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout, world_size_of
+from paratrain.parallel.tp.tp_technique import check_tp_divides
 from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data_loading import make_train_data
+from paratrain.train.hf_run_checks import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type

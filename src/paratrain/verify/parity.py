@@ -45,7 +45,7 @@ def check_verifiable(cfg, layout) -> None:
                 else "after its warm-up each rank steps on its own gradients")
         raise UserError(f"verify refuses --local-sgd-period {period}: {when}, which cannot match one device step "
                         "for step; its convergence against DDP is tested instead")
-    if layout.pp_enabled:
+    if layout.splits_stages:
         return
     if layout.dp_micro_batches:  # --dp-batch-split: --microbatches is the accumulation count
         if layout.microbatches == 1 and cfg.microbatches is not None:

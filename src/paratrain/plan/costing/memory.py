@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 
 from paratrain.models.args import ModelArgs
+from paratrain.parallel.dims import techniques
 from paratrain.parallel.layout import Layout
 from paratrain.plan.costing.compose import Composed, trace
 from paratrain.plan.tracing.trace import PhasePeak, TraceKey
@@ -73,7 +74,7 @@ class ChunkMemory:
 
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
     return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
-                    sp=layout.sp and layout.tp > 1, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
+                    sp=layout.sp and layout.tp_enabled, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
                     dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type,  # fp8: bf16 activations
                     ep=layout.ep if args.moe else 1)
 
@@ -167,17 +168,6 @@ def memory_from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbat
             "other": opt_total - params - grads - opt}
 
 
-def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int) -> int:
-    """Micro-batches (per chunk) whose activations a pipeline rank holds at once, per schedule."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, pp - rank)
-    # interleaved / zero-bubble: torch's warm-up count, spread over the rank's `virtual` chunks
-    warmup = min(microbatches * virtual, (virtual - 1) * pp + 2 * (pp - 1 - rank) + 1)
-    return max(1, -(-warmup // virtual))
-
-
 def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[int, str, int]]:
     """(rank, part, layers) of every pipeline stage, split exactly as the runtime splits them."""
     return _stage_layout(args, layout.pp, layout.virtual_stages, seq_len)
@@ -203,7 +193,7 @@ def _meta_model(args: ModelArgs):
 
 
 def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[int, str, int]]:
-    from paratrain.parallel.pipeline_split import split_into_stages, stage_ranks
+    from paratrain.parallel.pp.pipeline_split import split_into_stages, stage_ranks
 
     specs = split_into_stages(_meta_model(args), pp, virtual, seq_len)
     ranks = stage_ranks(pp, len(specs))
@@ -216,15 +206,14 @@ def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[i
 
 def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = "bf16",
                     device_type: str = "cuda") -> MemoryEstimate:
-    """Peak bytes on the busiest rank of `layout` (device_type picks the optimizer the trainer uses)."""
+    """Peak bytes on the busiest rank of `layout` (device_type picks the optimizer the trainer uses): every stage
+    rank's model parts (one part on one rank without a pipeline) with the micro-batches the pipeline's technique
+    says it holds in flight."""
+    pipeline = next(t for t in techniques() if t.composes_step)
+    pipelined = pipeline.enabled(layout)
     notes: list[str] = []
-    if layout.pp == 1:
-        chunk = chunk_memory(args, layout, "whole", args.n_layers, seq_len, dtype, device_type, notes)
-        parts = memory_from_chunks([chunk], [1], layout.microbatches, pipelined=False)
-        return MemoryEstimate(**{k: parts[k] for k in ("params", "grads", "optimizer", "activations", "other")},
-                              phase=parts["phase"], notes=notes)
-    stages = stage_layout(args, layout, seq_len)
     per_rank: dict[int, list] = {}
+    stages = pipeline.stages(layout, args.n_layers, lambda: stage_layout(args, layout, seq_len))
     for index, (rank, part, layers) in enumerate(stages):
         per_rank.setdefault(rank, []).append((index, part, layers))
     best, per_stage = None, []
@@ -238,16 +227,16 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
 
     for rank, items in sorted(per_rank.items()):
         chunks = [chunk(part, layers, rank) for _, part, layers in items]
-        flight = [in_flight(layout.pp_schedule, layout.pp, rank, layout.microbatches, layout.virtual_stages)
-                  for _ in items]
-        parts = memory_from_chunks(chunks, flight, layout.microbatches, pipelined=True)
+        flight = [pipeline.in_flight(layout, rank) for _ in items]
+        parts = memory_from_chunks(chunks, flight, layout.microbatches, pipelined=pipelined)
         total = sum(parts[k] for k in ("params", "grads", "optimizer", "activations", "other"))
         per_stage.append({"pp_rank": rank, "stages": [i for i, _, _ in items], "in_flight": flight,
                           "total_gib": round(total / GIB, 4)})
         if best is None or total > best[0]:
             best = (total, parts)
     parts = best[1]
-    notes.append("pipeline: " + ", ".join(f"rank {s['pp_rank']} holds {s['in_flight'][0]} micro-batch(es)"
-                                          for s in per_stage))
+    if pipelined:
+        notes.append("pipeline: " + ", ".join(f"rank {s['pp_rank']} holds {s['in_flight'][0]} micro-batch(es)"
+                                              for s in per_stage))
     return MemoryEstimate(**{k: parts[k] for k in ("params", "grads", "optimizer", "activations", "other")},
-                          phase=parts["phase"], per_stage=per_stage, notes=notes)
+                          phase=parts["phase"], per_stage=per_stage if pipelined else [], notes=notes)

@@ -19,24 +19,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from paratrain.costs.collectives import collective_time
 from paratrain.parallel.layout import Layout
-from paratrain.plan.costing.collectives import collective_time
+from paratrain.parallel.pp.pp_cost import in_flight, pipeline_factor, slowest_and_others, stage_rank_slot
 from paratrain.plan.costing.memory import (
     GIB,
     chunk_memory,
     estimate_memory,
-    in_flight,
     memory_from_chunks,
     stage_layout,
 )
-from paratrain.plan.costing.time import (
-    TimeEstimate,
-    chunk_time,
-    estimate_time,
-    pipeline_factor,
-    slowest_and_others,
-    stage_rank_slot,
-)
+from paratrain.plan.costing.time import TimeEstimate, chunk_time, estimate_time
 from paratrain.plan.inputs.cluster import Cluster, Device
 from paratrain.plan.search import Candidate, Job
 

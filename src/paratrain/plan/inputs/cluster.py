@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from paratrain.costs.hardware import HardwareProfile, profile_from_spec, with_cluster_overrides
 from paratrain.errors import UserError, read_json_file
 from paratrain.gpu_catalog import CATALOG, get_gpu
-from paratrain.plan.inputs.hardware import HardwareProfile, profile_from_spec, with_cluster_overrides
 
 NODE_KEYS = {"gpu", "count", "intra_node_gbs", "inter_node_gbs", "speed"}
 

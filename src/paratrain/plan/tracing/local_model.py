@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.models.llama import ModelArgs
-from paratrain.parallel.cp_comm import CPComm
+from paratrain.parallel.cp.cp_comm import CPComm
 
 
 @dataclass
@@ -148,7 +148,7 @@ def simulate_tp(model: nn.Module, plan: dict, tp: int, log: CommLog) -> None:
         RowwiseParallel,
     )
 
-    from paratrain.parallel.tensor_parallel import match_modules
+    from paratrain.parallel.tp.tensor_parallel import match_modules
 
     def halves(style) -> tuple:
         """(input style, output style) of a layout-preparing style (PrepareModuleInputOutput has both)."""
@@ -330,8 +330,8 @@ def simulated_cp(cp: int, impl: str, ac: str, log: CommLog) -> SimulatedCP:
 
 
 def cp_attention(impl: str, comm: CPComm):
-    from paratrain.parallel.ring_attention import ring_attention
-    from paratrain.parallel.ulysses import ulysses_attention
+    from paratrain.parallel.cp.ring_attention import ring_attention
+    from paratrain.parallel.cp.ulysses import ulysses_attention
 
     fn = ring_attention if impl == "ring" else ulysses_attention
     return lambda q, k, v: fn(q, k, v, group=comm)

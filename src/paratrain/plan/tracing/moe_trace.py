@@ -5,7 +5,7 @@ be traced on fake tensors. The stand-in does the same work with the balanced rou
 router matmul and top-k, each token copied k times, one batched GEMM per expert matrix over T*k/E tokens each,
 the weighted combine. Under --ep the same FLOPs run on the rank's E/ep experts (each then takes ep times the
 tokens), around the exchange's gathers and sums; the all-to-alls that move them are priced apart
-(costing/time.py: moe_all_to_all).
+(parallel/ep/ep_cost.py: moe_all_to_all).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.costs.expert_spread import ranks_per_token
 from paratrain.models.moe import combine, routed_input
 from paratrain.models.routing import inverse_permutation, permute, sorted_copies
-from paratrain.plan.costing.expert_spread import ranks_per_token
 
 
 def balanced_forward(moe: nn.Module, ep: int = 1, log=None):
     """Under --ep the rank sends each token once to every rank holding any of its experts (T*r rows, r for a
-    uniformly random choice: plan/costing/expert_spread.py), and its E/ep experts run the T*k copies of the ep
+    uniformly random choice: costs/expert_spread.py), and its E/ep experts run the T*k copies of the ep
     group's tokens they receive (as many as it sends, balanced), reading and accumulating gradients into only
-    those experts' weights; the gated sums go back one per row (parallel/ep_exchange.py)."""
+    those experts' weights; the gated sums go back one per row (parallel/ep/ep_exchange.py)."""
     experts, k, n = moe.experts, moe.top_k, moe.n_experts // ep
     if ep > 1:
         split_experts(experts, ep)
@@ -39,7 +39,7 @@ def balanced_forward(moe: nn.Module, ep: int = 1, log=None):
         return torch.bmm(hidden, w2).reshape(n * per_expert, -1)[: copies.shape[0]]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # the runtime's ops (models/moe.py: local_dispatch; parallel/ep_exchange.py under --ep) with the
+        # the runtime's ops (models/moe.py: local_dispatch; parallel/ep/ep_exchange.py under --ep) with the
         # data-dependent ones at their balanced sizes: same tensors alive, same bytes moved
         shape = x.shape
         flat = x.reshape(-1, shape[-1])

@@ -19,10 +19,10 @@ from pathlib import Path
 FORMAT = "paratrain-trace/1"
 # the code a trace runs: a change in any of these files makes every cached trace stale
 _TRACED_MODULES = ("paratrain.models", "paratrain.plan.tracing.local_model", "paratrain.plan.tracing.units",
-                   "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.ring_attention",
-                   "paratrain.parallel.ulysses", "paratrain.parallel.cp_comm",
+                   "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.cp.ring_attention",
+                   "paratrain.parallel.cp.ulysses", "paratrain.parallel.cp.cp_comm",
                    "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim",
-                   "paratrain.plan.tracing.moe_trace", "paratrain.plan.costing.expert_spread")
+                   "paratrain.plan.tracing.moe_trace", "paratrain.costs.expert_spread")
 
 
 def cache_dir() -> Path:

@@ -1,5 +1,5 @@
 """How many expert-parallel ranks one token's k experts reach: the rows --ep sends per token
-(parallel/ep_exchange.py sends a token once to each rank holding any of its experts).
+(parallel/ep/ep_exchange.py sends a token once to each rank holding any of its experts).
 
 Routing patterns the planner prices:
   random       each token's k distinct experts drawn uniformly (a trained, balanced router; the default):

@@ -22,7 +22,7 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.parallel.collective_hooks import collective
-from paratrain.parallel.ep_exchange import AllToAllDispatch
+from paratrain.parallel.ep.ep_exchange import AllToAllDispatch
 
 log = logging.getLogger("paratrain")
 

@@ -17,9 +17,9 @@ import logging
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.parallel.cp.ring_attention import ring_attention, zigzag_positions
+from paratrain.parallel.cp.ulysses import ulysses_attention
 from paratrain.parallel.options import CP_IMPLS
-from paratrain.parallel.ring_attention import ring_attention, zigzag_positions
-from paratrain.parallel.ulysses import ulysses_attention
 
 log = logging.getLogger("paratrain")
 

@@ -13,10 +13,7 @@ off-node share through its own NIC at once (all_to_all_across_nodes).
 
 from __future__ import annotations
 
-import math
-
-from paratrain.parallel.layout import DIM_NAMES, GROUP_DIMS
-from paratrain.plan.inputs.hardware import HardwareProfile
+from paratrain.costs.hardware import HardwareProfile
 
 WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -31,13 +28,6 @@ HOPS = {"all_reduce": lambda n: 2 * (n - 1), "p2p": lambda n: 1}
 
 def wire_bytes(kind: str, payload: float, n: int) -> float:
     return payload * WIRE_FACTOR[kind](n) if n > 1 else 0.0
-
-
-def members_per_node(layout, group: str, gpus_per_node: int) -> int:
-    """How many ranks of `group` share one node (ranks fill nodes in mesh order, tp innermost)."""
-    inner = DIM_NAMES.index(GROUP_DIMS[group][-1]) + 1
-    stride = math.prod(getattr(layout, d) for d in DIM_NAMES[inner:])
-    return max(1, min(layout.group_size(group), gpus_per_node // stride))
 
 
 def all_to_all_across_nodes(profile: HardwareProfile, payload: float, n: int, rails: int) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.errors import UserError
-from paratrain.parallel.cp_comm import CPComm, cp_comm, wait_all
+from paratrain.parallel.cp.cp_comm import CPComm, cp_comm, wait_all
 
 _KV_TAG, _DKV_TAG = 71, 72  # distinct tags keep the K/V and dK/dV streams apart on gloo (NCCL ignores tags)
 # query rows are processed in tiles of at most this many score elements (8 MiB in fp32), so a block's

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.errors import UserError
-from paratrain.parallel.cp_comm import CPComm, cp_comm
-from paratrain.parallel.ring_attention import zigzag_positions
+from paratrain.parallel.cp.cp_comm import CPComm, cp_comm
+from paratrain.parallel.cp.ring_attention import zigzag_positions
 
 
 class _AllToAll(torch.autograd.Function):

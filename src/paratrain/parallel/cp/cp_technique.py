@@ -1,0 +1,53 @@
+"""Context parallelism (--cp, ring or Ulysses) as the registry holds it: its check, its apply, and its exposed
+communication per micro-batch."""
+
+from __future__ import annotations
+
+from paratrain.errors import UserError
+from paratrain.parallel.options import CP_IMPLS
+from paratrain.parallel.technique import Technique
+
+
+def check_cp(args, layout, seq_len: int | None = None) -> None:
+    """The model must be context-parallel as asked: sequence cut into 2*cp chunks, Ulysses splits heads."""
+    if layout.cp <= 1:
+        return
+    if layout.cp_impl not in CP_IMPLS:
+        raise UserError(f"unknown --cp-impl {layout.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
+    if seq_len is not None and seq_len % (2 * layout.cp):
+        raise UserError(f"cp={layout.cp} needs the sequence length ({seq_len}) to be a multiple of 2*cp={2 * layout.cp}")
+    if layout.cp_impl == "ulysses":
+        from paratrain.parallel.cp.ulysses import check_ulysses_heads
+
+        check_ulysses_heads(args.n_heads // layout.tp, layout.cp)
+
+
+class ContextParallel(Technique):
+    apply_order = 20
+    family, family_rank = "context-parallel", 40
+
+    def enabled(self, layout) -> bool:
+        return layout.cp > 1
+
+    def check(self, args, layout, seq_len: int | None = None) -> None:
+        check_cp(args, layout, seq_len)
+
+    def apply(self, model, layout, tp_plan: dict | None = None):
+        if not self.enabled(layout):
+            return model
+        from paratrain.parallel.cp.context_parallel import apply_cp
+
+        return apply_cp(model, layout.submesh("cp"), impl=layout.cp_impl)
+
+    def breaks_compiled_graph(self, model, layout) -> bool:
+        return self.enabled(layout) and layout.cp_impl == "ring"  # ring attention's P2P sends cannot be traced
+
+    def adjust_chunk(self, p, chunk) -> None:
+        # ring's K/V rotation is posted before each block's attention and hides under it; Ulysses' all-to-alls
+        # are exposed; the calls' own cost never hides
+        per_mb = chunk.fwd + chunk.bwd
+        chunk.cp_exposed = chunk.cp_calls + (max(0.0, chunk.cp_comm - p.profile.overlap * 0.5 * per_mb)
+                                             if p.layout.cp_impl == "ring" else chunk.cp_comm)
+
+
+CONTEXT_PARALLEL = ContextParallel()

@@ -1,0 +1,72 @@
+"""What a transformers model (`--model hf:PATH`, models/hf_model.py) cannot run under a given Layout, refused in
+one line: by train before any process starts (train/validate.py) and again in each worker (train/trainer.py),
+and by the planner (plan/layout_rules.py), which marks such a candidate runtime_unsupported in the same words.
+
+The model family only states its facts (the MoE families its expert forward is verified on, whether transformers
+ships a TP plan for the type); what a layout does to the model is asked of the Layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from paratrain.errors import UserError
+from paratrain.models.hf_files import read_hf_config
+from paratrain.models.hf_model import EXPERT_SPLIT_VERIFIED, hf_config_object
+
+log = logging.getLogger("paratrain")
+
+
+def check_hf_run(layout, cfg, args) -> None:
+    """What a transformers model cannot do under paratrain (yet). `args`: the model's ModelArgs
+    (models/hf_args.py)."""
+    if cfg.init_from:
+        raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
+                        "are loaded by --model hf:DIR")
+    kind = read_hf_config(cfg.model)["model_type"]
+    if getattr(args, "moe", False):
+        check_hf_moe_run(layout, kind, args.n_experts)
+    check_hf_pipeline_layout(layout)  # after the MoE rules, in the planner's order (plan/layout_rules.py)
+    if layout.splits_within_layers and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
+                                                   "base_model_tp_plan", None):
+        raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
+                        "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+
+
+def check_hf_pipeline_layout(layout) -> None:
+    """A transformers model's pipeline stages (models/hf_pipeline.py) compose with data parallelism only."""
+    if layout.splits_stages and (layout.splits_within_layers or layout.splits_sequences):
+        raise UserError("pipeline parallelism (pp) with tp or cp is not supported for --model hf: models yet; "
+                        "pp composes with data parallelism (ddp, zero, hsdp) here")
+
+
+def check_hf_moe_run(layout, kind: str, n_experts: int) -> None:
+    """What a transformers MoE model cannot do with its experts split (--ep, --tp), in one line."""
+    if (layout.splits_experts or layout.splits_within_layers) and kind not in EXPERT_SPLIT_VERIFIED:
+        raise UserError(f"--ep / --tp split the experts of {', '.join(EXPERT_SPLIT_VERIFIED)} hf: models; {kind} runs "
+                        "with a data-parallel strategy (ddp, zero1/2/3)")
+    if layout.splits_experts and (layout.splits_within_layers or layout.splits_stages or layout.splits_sequences):
+        raise UserError(f"--ep on an hf: model composes with FSDP only (dp_shard); {kind} with --ep and tp, pp or cp "
+                        "is not supported: use --ep with --strategy ep or zero3")
+    if layout.splits_within_layers and n_experts % layout.tp:  # --tp splits the experts by expert (models/hf_moe.py)
+        raise UserError(f"--tp {layout.tp} does not divide the model's {n_experts} experts (tp splits them by expert)")
+    if layout.splits_within_layers and layout.sp:
+        raise UserError(f"sequence parallelism is not supported for an hf: MoE model ({kind}): use --strategy tp "
+                        "(no SP)")
+
+
+def warn_unapplied_balancing_loss(layout, cfg) -> None:
+    """One line when an hf: MoE config's router_aux_loss_coef will not train (models/hf_moe.py): transformers
+    itself leaves it out without output_router_logits, and a pipeline's stages do not compute it."""
+    doc = read_hf_config(cfg.model)
+    coef = doc.get("router_aux_loss_coef")
+    if not isinstance(coef, int | float) or coef <= 0 or os.environ.get("RANK", "0") != "0":
+        return
+    if not doc.get("output_router_logits"):
+        log.warning("%s: router_aux_loss_coef %g is not applied: the config's output_router_logits is false, and "
+                    "transformers adds the balancing loss only with it (set it true to train with that loss)",
+                    cfg.model, coef)
+    elif layout.splits_stages:
+        log.warning("%s: router_aux_loss_coef %g is not applied under pipeline parallelism (the balancing loss "
+                    "needs every layer's router logits in one forward): run without pp to train with it",
+                    cfg.model, coef)
