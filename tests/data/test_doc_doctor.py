@@ -29,7 +29,8 @@ def data_loading(cli, data: str) -> list[dict]:
     res = cli("doctor", "--json", "--timeout-s", "120", "--strategy", "single", "--nproc", "1", "--model", "tiny",
               "--seq-len", "64", "--global-batch", "4", "--vocab-size", "320", "--steps", "3", "--data", data,
               "--tokenizer", "corpus/tok", timeout=240,
-              env=plugin_env("support.slow_tokenizer:plugin", PARATRAIN_TEST_TOKENIZE_DELAY_S="0.01"))
+              env=plugin_env("support.slow_tokenizer:plugin", PARATRAIN_TEST_TOKENIZE_DELAY_S="0.01",
+                             PARATRAIN_TEST_DELAY_STEP_SHARE="3"))
     assert res.returncode == 0, res.stderr[-3000:]
     return [f for f in res.json()["findings"] if f["cause"] == "data_loading"]
 

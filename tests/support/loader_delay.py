@@ -10,12 +10,15 @@ import os
 import time
 
 from paratrain.errors import UserError
+from support.step_share import delay_s, share_of_step, track_steps
 
 DELAY_ENV = "PARATRAIN_TEST_LOADER_DELAY_S"
 
 
-def attach(hooks, seconds: float) -> list:
-    return [hooks.before_batch(lambda step: time.sleep(seconds))]
+def attach(hooks, seconds: float, share: float = 0.0) -> list:
+    if share > 0:  # at least `share` x the step's own compute (step_share.py): holds on a busy machine
+        track_steps(hooks)
+    return [hooks.before_batch(lambda step: time.sleep(delay_s(seconds, share)))]
 
 
 def plugin(hooks) -> None:
@@ -25,4 +28,4 @@ def plugin(hooks) -> None:
     except ValueError:
         raise UserError(f"{DELAY_ENV}={text!r}: give seconds, e.g. 0.05") from None
     if seconds > 0:
-        attach(hooks, seconds)
+        attach(hooks, seconds, share_of_step())

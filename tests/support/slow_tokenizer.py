@@ -11,16 +11,17 @@ import os
 import time
 
 from paratrain.errors import UserError
+from support.step_share import delay_s, share_of_step, track_steps
 
 DELAY_ENV = "PARATRAIN_TEST_TOKENIZE_DELAY_S"
 
 
 class SlowTokenizer:
-    def __init__(self, tok, seconds: float):
-        self.tok, self.seconds = tok, seconds
+    def __init__(self, tok, seconds: float, share: float):
+        self.tok, self.seconds, self.share = tok, seconds, share
 
     def encode_batch(self, texts, **kwargs):
-        time.sleep(self.seconds * len(texts))
+        time.sleep(delay_s(self.seconds * len(texts), self.share))
         return self.tok.encode_batch(texts, **kwargs)
 
     def __getattr__(self, name):
@@ -37,11 +38,14 @@ def plugin(hooks) -> None:
         raise UserError(f"{DELAY_ENV}={text!r}: give seconds, e.g. 0.01") from None
     if seconds <= 0 or getattr(doc_stream.open_tokenizer, "slowed", False):
         return
+    share = share_of_step()
+    if share > 0:  # each batch of documents at least `share` x the step's own compute (step_share.py)
+        track_steps(hooks)
     original = doc_stream.open_tokenizer
 
     def open_slow_tokenizer(path: str):
         tok, eot, vocab = original(path)
-        return SlowTokenizer(tok, seconds), eot, vocab
+        return SlowTokenizer(tok, seconds, share), eot, vocab
 
     open_slow_tokenizer.slowed = True
     doc_stream.open_tokenizer = open_slow_tokenizer

@@ -22,15 +22,20 @@ def events(run_dir, kind):
 def test_slow_loader_raises_data_alert_within_k_windows_and_healthy_run_none(cli_here, tmp_path):
     cli = cli_here  # one rank, in this process: its log is in stderr
     slow = cli(*RUN, "--out", str(tmp_path / "slow"),
-               env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05"))
+               env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05",
+                                  PARATRAIN_TEST_DELAY_STEP_SHARE="3"))
     assert slow.returncode == 0, slow.stderr[-3000:]
     alerts = events(tmp_path / "slow", "alert")
     data = [a for a in alerts if a["cause"] == "data_loading"]
-    # windows of 3 steps from step 2: K = 2 windows end at step 7 (the loader sleeps from the first batch on)
-    assert data and data[0]["step"] <= 7 and data[0]["value"] > 0.1, alerts
-    assert "ALERT data_loading" in slow.stderr
     windows = events(tmp_path / "slow", "monitor")
-    assert len(windows) == 4 and all(w["breakdown"]["data_wait"] > 0.1 for w in windows)
+    assert len(windows) == 4
+    # the loader is slow from the first window whose data wait is over the threshold on (the batches prefetched
+    # before the delay outgrew a busy machine's step may hide it in the first window): from then on every window
+    # is over it, and the alert comes within K = 2 windows of 3 steps
+    slow_from = next(i for i, w in enumerate(windows) if w["breakdown"]["data_wait"] > 0.1)
+    assert slow_from <= 1 and all(w["breakdown"]["data_wait"] > 0.1 for w in windows[slow_from:]), windows
+    assert data and data[0]["step"] <= windows[slow_from]["step"] + 3 and data[0]["value"] > 0.1, alerts
+    assert "ALERT data_loading" in slow.stderr
     prom = (tmp_path / "slow" / "metrics.prom").read_text()
     assert 'paratrain_step_fraction{phase="data_wait"}' in prom and 'paratrain_alerts_total{cause="data_loading"} 1' in prom
 
