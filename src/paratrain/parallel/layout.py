@@ -142,6 +142,17 @@ class Layout:
         they read (a single device, DDP or ZeRO-1)."""
         return all(getattr(self, n) == 1 for n in DEGREE_NAMES if n != "dp_replicate")
 
+    @property
+    def uneven_split(self) -> str:
+        """Which uneven split the runtime runs on a mixed cluster (parallel/uneven_split.py): "batch"
+        (--dp-batch-split: data parallelism alone, no tp / cp / pp), "blocks" (--pp-layers: a pipeline without
+        data parallelism), or "" (neither: every rank takes its even share)."""
+        if self.pp == 1 and self.tp == 1 and self.cp == 1:
+            return "batch"
+        if self.pp > 1 and self.dp == 1:
+            return "blocks"
+        return ""
+
     # the same questions by technique name, for code inside parallel/ (and the planner, until issue 45 moves it)
     tp_enabled, pp_enabled, cp_enabled = splits_within_layers, splits_stages, splits_sequences
 

@@ -52,6 +52,49 @@ class Technique:
         """Whether sequence parallelism can run beside this technique at this degree."""
         return True
 
+    # the order the search varies the techniques' options in (search_options), outermost first: it decides
+    # between equally fast layouts, so it stays as it was (ZeRO stage, SP, CP flavour, pipeline schedule)
+    search_order: int = 0
+
+    def worth_searching(self, degree: int, seq_len: int) -> bool:
+        """For a world-size factor the user left open: whether the search tries `degree` at this sequence length."""
+        return True
+
+    def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
+        """The settings of this technique's Layout options the search tries at these degrees (each a dict of
+        Layout fields), given what the user fixed (`fixed`: plan's options, None when left open) and every
+        declared dimension (`dims`, dims.py `all_dims()`)."""
+        return [{}]
+
+    def deferred_in_search(self, layout, fixed: dict, nodes: int) -> bool:
+        """Whether the search tries `layout` only when no other layout fits (or in `plan --search full`)."""
+        return False
+
+    def allows_microbatches(self, layout, microbatches: int) -> bool:
+        """Whether this technique runs `layout` with that many micro-batches per step."""
+        return True
+
+    def frugal_options(self, degrees: dict[str, int]) -> dict:
+        """Layout fields that hold the least memory at these degrees (the smallest GPU count that fits)."""
+        return {}
+
+    # -- the memory estimate -------------------------------------------------------------------------------------
+    def shard_states(self, s, tr, args, layout, part: str, layers: int, dtype: str, notes: list[str]) -> None:
+        """Change one rank's states of one model part in place as this technique's wrapper holds them (data
+        parallelism's sharding and buffers). `s` (plan/costing/memory.py RankStates): params, optimizer, grads,
+        opt_rest, grads_live, extra (bytes) and fb (the traced forward/backward peak); `tr`: the part's trace."""
+
+    # -- plan's reasons ------------------------------------------------------------------------------------------
+    def reasons(self, r) -> list[str]:
+        """Plain-language lines on what this technique costs or buys in a planned layout (`plan --json`'s
+        reasons). `r` (plan/plan_report.py ReasonContext): the layout, the GPU, the sequence length, the usable
+        bytes per GPU, `r.states(layout)` (model-state bytes per rank) and `r.gib(bytes)` (a size as text)."""
+        return []
+
+    def step_reasons(self, r) -> list[str]:
+        """The same, on the priced step (`r.time`, plan/costing/time.py TimeEstimate); asked outermost dim first."""
+        return []
+
     # -- the step-time estimate ------------------------------------------------------------------------------------
     def adjust_chunk(self, p, chunk) -> None:
         """Change one priced model chunk's times in place (async TP hides its collectives under the matmuls)."""

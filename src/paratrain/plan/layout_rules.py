@@ -44,7 +44,7 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
 
     try:
         check_layout(lay, job.args, job.seq_len, job.global_batch, job.device_type)
-        if lay.tp > 1:
+        if lay.splits_within_layers:
             _check_tp_plan(job.args, lay.tp, lay.sp)
         _check_hf_runtime(job, lay)
     except UserError as exc:
@@ -86,7 +86,7 @@ def unpriceable(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
         return (f"pp={lay.pp} x {lay.virtual_stages} stage(s) per rank = {lay.pp * lay.virtual_stages} stages but "
                 f"the model has only {args.n_layers} layers")
     try:
-        if lay.tp > 1:
+        if lay.splits_within_layers:
             args.check_tp_divides(lay.tp)
             _check_tp_plan(args, lay.tp, lay.sp)
         check_cp(args, lay, job.seq_len)

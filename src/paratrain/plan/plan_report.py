@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from paratrain.costs.hardware import HardwareProfile
 from paratrain.errors import UserError
+from paratrain.parallel.dims import dims_in_mesh_order, techniques
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import train_args
 from paratrain.plan.costing.memory import GIB
@@ -28,8 +31,22 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB" if x >= 0.1 * GIB else f"{x / 2**20:.1f} MiB"
 
 
+@dataclass
+class ReasonContext:
+    """What a technique's reasons read of a planned layout (parallel/technique.py `reasons`)."""
+
+    layout: Layout
+    gpu: object  # gpu_catalog.py GPUSpec
+    seq_len: int
+    usable: float  # bytes per GPU
+    states: Callable[[Layout], float]  # a rank's model-state bytes under a layout
+    gib: Callable[[float], str]
+    time: object = None  # plan/costing/time.py TimeEstimate, once priced
+
+
 def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
-    """Plain-language reasons: what fits and why, what each technique costs or buys here."""
+    """Plain-language reasons: what fits and why, what each technique costs or buys here (each technique's
+    layout reasons in the dims' order, then the AC, then their reasons on the priced step, outermost first)."""
     lay, mem, gpu = cand.layout, cand.memory, hw.gpu
     usable = gpu.mem_gib * GIB * (1 - job.mem_reserve)
     out = []
@@ -38,46 +55,21 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
     else:
         out.append(f"does not fit: {_gib(mem.total)} > {_gib(usable)} usable of {gpu.mem_gib:g} GiB per GPU "
                    f"(peak during the {mem.phase})")
-    replicated = model_states_floor(job, Layout(tp=lay.tp, pp=lay.pp, dp_replicate=lay.world // lay.tp // lay.pp))
-    if lay.fsdp:
-        stage = "ZeRO-3" if lay.zero_stage == 3 else "ZeRO-2"
-        if replicated > usable:
-            out.append(f"{stage} needed: model states {_gib(replicated)} > {_gib(usable)} per GPU unsharded; "
-                       f"sharded {lay.shard_degree} ways they take {_gib(model_states_floor(job, lay))}")
-        else:
-            out.append(f"{stage} shards parameters, gradients and optimizer state {lay.shard_degree} ways "
-                       f"({_gib(replicated)} -> {_gib(model_states_floor(job, lay))} of model states)")
-    elif lay.dp_replicate > 1:
-        kind = "ZeRO-1 (optimizer state sharded)" if lay.zero_stage == 1 else "DDP"
-        out.append(f"{kind}: every GPU holds {_gib(model_states_floor(job, lay))} of model states")
-    gpn = gpu.gpus_per_node
-    if lay.tp_enabled:
-        where = lay.placement("tp", gpn)
-        out.append(f"TP={lay.tp} kept inside a node: intra-node {gpu.intra_node_gbs:g} GB/s vs inter-node "
-                   f"{gpu.inter_node_gbs:g} GB/s" if where == "intra" else
-                   f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s")
-        if lay.sp:
-            out.append("sequence parallel keeps norms and the residual stream sharded between blocks")
-    if lay.cp_enabled:
-        out.append(f"CP ({lay.cp_impl}) splits each {job.seq_len}-token sequence {lay.cp} ways: activations / {lay.cp}")
+    r = ReasonContext(lay, gpu, job.seq_len, usable, lambda layout: model_states_floor(job, layout), _gib,
+                      cand.time)
+    for technique in techniques():
+        out += technique.reasons(r)
     if lay.ac != "none":
         extra = "re-runs each block's forward in the backward" if lay.ac == "full" else \
             "recomputes norms and elementwise ops, keeps matmul outputs"
         out.append(f"activation checkpointing '{lay.ac}' {extra}; without it this layout needs more memory")
-    if lay.pp_enabled and cand.time is not None:
-        bubble = cand.time.bubble_s / cand.time.step_s
-        out.append(f"pipeline {lay.pp_schedule}{f' x{lay.virtual_stages} stages/rank' if lay.virtual_stages > 1 else ''}"
-                   f": {lay.microbatches} micro-batches, bubble {bubble:.0%} of the step")
     if cand.time is not None:
         t = cand.time
-        if lay.dp > 1 or lay.cp_enabled:
-            group = "dp_shard_cp" if (lay.fsdp and lay.cp_enabled) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
-            where = lay.placement(group, gpn)
-            if where == "inter":
-                out.append(f"data-parallel collectives cross nodes ({gpu.inter_node_gbs:g} GB/s per GPU)")
+        for technique in {id(d.technique): d.technique for d in dims_in_mesh_order()}.values():
+            out += technique.step_reasons(r)
         out.append(f"step {t.step_s:.3g} s: compute {t.compute_s / t.step_s:.0%}, exposed communication "
                    f"{t.comm_exposed_s / t.step_s:.0%}" + (f", bubble {t.bubble_s / t.step_s:.0%}" if t.bubble_s else ""))
-        if lay.microbatches > 1 and not lay.pp_enabled:
+        if lay.microbatches > 1 and not lay.splits_stages:
             out.append(f"micro-batch {lay.micro_batch} x {lay.microbatches} gradient-accumulation steps per GPU")
     return out
 
@@ -86,9 +78,10 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
     lay, t = cand.layout, cand.time
     doc = {
         "strategy": lay.strategy, "dims": lay.degrees(),
-        "pp_schedule": lay.pp_schedule if lay.pp_enabled else None, "virtual_stages": lay.virtual_stages,
+        "pp_schedule": lay.pp_schedule if lay.splits_stages else None, "virtual_stages": lay.virtual_stages,
         "microbatches": lay.microbatches, "micro_batch": lay.micro_batch, "activation_checkpointing": lay.ac,
-        "zero_stage": lay.zero_stage, "sp": lay.sp and lay.tp_enabled, "cp_impl": lay.cp_impl if lay.cp_enabled else None,
+        "zero_stage": lay.zero_stage, "sp": lay.sp and lay.splits_within_layers,
+        "cp_impl": lay.cp_impl if lay.splits_sequences else None,
         "memory_gib": cand.memory.gib() if cand.memory else None,
         "memory_peak_phase": cand.memory.phase if cand.memory else None,
         "step_time_s": t.step_s if t else None,

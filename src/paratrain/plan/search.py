@@ -18,21 +18,15 @@ from dataclasses import dataclass, field, replace
 
 from paratrain.costs.hardware import HardwareProfile
 from paratrain.errors import UserError
+from paratrain.parallel.dims import all_dims, techniques
 from paratrain.parallel.layout import DEGREE_DIMS, DIM_NAMES, Layout, subdivision_problem
-from paratrain.parallel.options import (
-    AC_MODES,
-    CP_IMPLS,
-    DEFAULT_PP_SCHEDULE,
-    MULTI_STAGE_SCHEDULES,
-    PP_SCHEDULES,
-)
+from paratrain.parallel.options import AC_MODES, DEFAULT_PP_SCHEDULE
 from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
 from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
 from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
 
-CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
 SUBDIVIDING_DIMS = tuple(d for d in DEGREE_DIMS if not d.world_factor)
 
 
@@ -68,29 +62,24 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, k - 1)]
 
 
-def stages_per_rank(schedule: str) -> int:
-    """The pipeline stages per rank the planner tries for a schedule (when --virtual-stages is not fixed)."""
-    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
-
-
 def base_layouts(job: Job, fixed: dict, gpus_per_node: int) -> list[Layout]:
     """Every (degrees, ZeRO stage, SP, CP flavour, schedule) the job allows; micro-batching and AC come later."""
     out = []
-    # the default schedule first: the planner's order decides between equally fast layouts
-    searched_schedules = sorted(PP_SCHEDULES, key=lambda s: s != DEFAULT_PP_SCHEDULE)
     for factors in factorizations(job.gpus, len(DIM_NAMES)):
         degrees = dict(zip(DIM_NAMES, factors))
         if any(fixed.get(k) is not None and fixed[k] != v for k, v in degrees.items()):
             continue
-        if cp_too_short(job, degrees, fixed):
+        if not worth_searching(job, degrees, fixed):
             continue
         for subdivided in subdivision_degrees(job, degrees, fixed):
-            out += layouts_of_degrees(job, {**degrees, **subdivided}, fixed, searched_schedules)
+            out += layouts_of_degrees(job, {**degrees, **subdivided}, fixed)
     return list(dict.fromkeys(out))
 
 
-def cp_too_short(job: Job, degrees: dict, fixed: dict) -> bool:
-    return degrees["cp"] > 1 and fixed.get("cp") is None and job.seq_len < CP_MIN_SEQ
+def worth_searching(job: Job, degrees: dict, fixed: dict) -> bool:
+    """Whether each degree the user left open is one its technique tries (CP: long sequences only)."""
+    return all(fixed.get(d.name) is not None or d.technique.worth_searching(degrees[d.name], job.seq_len)
+               for d in DEGREE_DIMS if d.world_factor)
 
 
 def subdivision_degrees(job: Job, degrees: dict, fixed: dict) -> list[dict[str, int]]:
@@ -109,31 +98,14 @@ def subdivision_degrees(job: Job, degrees: dict, fixed: dict) -> list[dict[str, 
     return [d for d in out if not subdivision_problem({**degrees, **d})]
 
 
-def layouts_of_degrees(job: Job, degrees: dict, fixed: dict, searched_schedules: list[str]) -> list[Layout]:
-    """Every (ZeRO stage, SP, CP flavour, schedule) of one set of degrees."""
-    out = []
-    pp, cp, tp = degrees["pp"], degrees["cp"], degrees["tp"]
-    stages = zero_stages(degrees)
-    if fixed.get("zero_stage") is not None:
-        stages = tuple(s for s in stages if s == fixed["zero_stage"]) or ()
-    # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
-    # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP. A technique that runs
-    # without SP (--ep: parallel/ep/expert_parallel.py check_ep) makes the layout's TP plain
-    plain_tp = not all(d.technique.allows_sp(degrees.get(d.name, 1)) for d in DEGREE_DIMS)
-    sps = ((fixed["sp"],) if fixed.get("sp") is not None else (not plain_tp,)) if tp > 1 else (False,)
-    impls = CP_IMPLS if cp > 1 else CP_IMPLS[:1]
-    schedules = [(DEFAULT_PP_SCHEDULE, 1)]
-    if pp > 1:
-        schedules = [(sched, stages_per_rank(sched)) for sched in searched_schedules]
-    for stage, sp, impl, (sched, v) in itertools.product(stages, sps, impls, schedules):
-        if fixed.get("cp_impl") and cp > 1 and impl != fixed["cp_impl"]:
-            continue
-        if fixed.get("pp_schedule") and pp > 1:
-            sched = fixed["pp_schedule"]
-            v = fixed.get("virtual_stages") or stages_per_rank(sched)
-        out.append(Layout(**degrees, zero_stage=stage, sp=sp, cp_impl=impl, pp_schedule=sched,
-                          virtual_stages=v, **job.layout_options()))
-    return out
+def layouts_of_degrees(job: Job, degrees: dict, fixed: dict) -> list[Layout]:
+    """Every combination of the techniques' searched options (ZeRO stage, SP, CP flavour, schedule, ...) of one
+    set of degrees; of the ZeRO stages, those the layout's strategy name runs again (its command is right)."""
+    options = [t.search_options(degrees, fixed, all_dims()) for t in sorted(techniques(), key=lambda t: t.search_order)]
+    runnable = zero_stages(degrees)
+    layouts = (Layout(**degrees, **{k: v for part in combo for k, v in part.items()}, **job.layout_options())
+               for combo in itertools.product(*options))
+    return [lay for lay in layouts if lay.zero_stage in runnable]
 
 
 def model_states(job: Job, lay: Layout) -> dict[str, float]:
@@ -179,10 +151,7 @@ def micro_batch_options(job: Job, lay: Layout, fixed: dict) -> list[int]:
     local = job.global_batch // lay.dp
     if fixed.get("micro_batch"):
         return [fixed["micro_batch"]] if local % fixed["micro_batch"] == 0 else []
-    options = [d for d in divisors(local)]
-    if lay.pp > 1 and lay.pp_schedule == "1f1b":
-        options = [d for d in options if local // d >= lay.pp]
-    return options
+    return [d for d in divisors(local) if all(t.allows_microbatches(lay, local // d) for t in techniques())]
 
 
 def with_micro_batch(base: Layout, job: Job, ac: str, mb: int) -> Layout:
@@ -285,9 +254,7 @@ def search_all(job: Job, hw: HardwareProfile, fixed: dict, exhaustive: bool = Fa
     feasible, infeasible = [], []
     bases = base_layouts(job, fixed, hw.gpu.gpus_per_node)
     nodes = math.ceil(job.gpus / hw.gpu.gpus_per_node)
-    pp_now = exhaustive or nodes > 1 or (fixed.get("pp") or 1) > 1
-    cp_now = exhaustive or (fixed.get("cp") or 1) > 1
-    first = [b for b in bases if (b.pp == 1 or pp_now) and (b.cp == 1 or cp_now)]
+    first = [b for b in bases if exhaustive or not any(t.deferred_in_search(b, fixed, nodes) for t in techniques())]
     chosen = set(first)
     groups = [first, [b for b in bases if b not in chosen]]
     usable = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
@@ -364,8 +331,10 @@ def smallest_gpu_count(job: Job, hw: HardwareProfile, fixed: dict, limit: int = 
             dp = n // (tp * p * cp)
             if job.global_batch % dp:
                 continue
-            lay = Layout(pp=p, dp_shard=dp, cp=cp, tp=tp, zero_stage=3 if dp > 1 else 0, ac=AC_MODES[-1], micro_batch=1,
-                         microbatches=job.global_batch // dp, pp_schedule=DEFAULT_PP_SCHEDULE, sp=tp > 1, **job.layout_options())
+            degrees = {"pp": p, "dp_shard": dp, "cp": cp, "tp": tp}
+            frugal = {k: v for t in techniques() for k, v in t.frugal_options(degrees).items()}
+            lay = Layout(**degrees, **frugal, ac=AC_MODES[-1], micro_batch=1, microbatches=job.global_batch // dp,
+                         pp_schedule=DEFAULT_PP_SCHEDULE, **job.layout_options())
             if model_states_floor(trial, lay) > usable or structural_problem(trial, lay, gpn):
                 continue
             cand = evaluate(trial, hw, lay)

@@ -7,6 +7,8 @@ from paratrain.errors import UserError
 from paratrain.parallel.options import CP_IMPLS
 from paratrain.parallel.technique import Technique
 
+CP_MIN_SEQ = 8192  # context parallelism is searched from this sequence length up (or when --cp is given)
+
 
 def check_cp(args, layout, seq_len: int | None = None) -> None:
     """The model must be context-parallel as asked: sequence cut into 2*cp chunks, Ulysses splits heads."""
@@ -41,6 +43,26 @@ class ContextParallel(Technique):
 
     def breaks_compiled_graph(self, model, layout) -> bool:
         return self.enabled(layout) and layout.cp_impl == "ring"  # ring attention's P2P sends cannot be traced
+
+    search_order = 2
+
+    def worth_searching(self, degree: int, seq_len: int) -> bool:
+        return degree == 1 or seq_len >= CP_MIN_SEQ
+
+    def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
+        if degrees["cp"] == 1:
+            return [{"cp_impl": CP_IMPLS[0]}]
+        return [{"cp_impl": impl} for impl in CP_IMPLS if not fixed.get("cp_impl") or impl == fixed["cp_impl"]]
+
+    def deferred_in_search(self, layout, fixed: dict, nodes: int) -> bool:
+        # the search tries it for long sequences only when nothing else fits, unless --cp is given
+        return self.enabled(layout) and not (fixed.get("cp") or 1) > 1
+
+    def reasons(self, r) -> list[str]:
+        lay = r.layout
+        if not self.enabled(lay):
+            return []
+        return [f"CP ({lay.cp_impl}) splits each {r.seq_len}-token sequence {lay.cp} ways: activations / {lay.cp}"]
 
     def adjust_chunk(self, p, chunk) -> None:
         # ring's K/V rotation is posted before each block's attention and hides under it; Ulysses' all-to-alls

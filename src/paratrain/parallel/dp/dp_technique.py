@@ -23,6 +23,50 @@ class DataParallel(Technique):
 
         return apply_data_parallel(model, layout)
 
+    def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
+        # every stage (the search keeps those the strategy of the layout runs again: strategies.zero_stages)
+        return [{"zero_stage": s} for s in range(4) if fixed.get("zero_stage") is None or s == fixed["zero_stage"]]
+
+    def frugal_options(self, degrees: dict[str, int]) -> dict:
+        sharded = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1) > 1
+        return {"zero_stage": 3 if sharded else 0}  # ZeRO-3 (FSDP) over every data-parallel rank
+
+    def reasons(self, r) -> list[str]:
+        lay = r.layout
+        if lay.fsdp:
+            replicated, sharded = self._states_replicated(r), r.states(lay)
+            stage = "ZeRO-3" if lay.zero_stage == 3 else "ZeRO-2"
+            if replicated > r.usable:
+                return [f"{stage} needed: model states {r.gib(replicated)} > {r.gib(r.usable)} per GPU unsharded; "
+                        f"sharded {lay.shard_degree} ways they take {r.gib(sharded)}"]
+            return [f"{stage} shards parameters, gradients and optimizer state {lay.shard_degree} ways "
+                    f"({r.gib(replicated)} -> {r.gib(sharded)} of model states)"]
+        if lay.dp_replicate > 1:
+            kind = "ZeRO-1 (optimizer state sharded)" if lay.zero_stage == 1 else "DDP"
+            return [f"{kind}: every GPU holds {r.gib(r.states(lay))} of model states"]
+        return []
+
+    @staticmethod
+    def _states_replicated(r) -> float:
+        """A rank's model states with every data-parallel rank a replica (nothing sharded)."""
+        lay = r.layout
+        return r.states(type(lay)(tp=lay.tp, pp=lay.pp, dp_replicate=lay.world // lay.tp // lay.pp))
+
+    def step_reasons(self, r) -> list[str]:
+        lay = r.layout
+        if not (lay.dp > 1 or lay.cp > 1):
+            return []
+        # the group gradients are reduced over (context-parallel ranks hold replicas of the weights too)
+        group = "dp_shard_cp" if (lay.fsdp and lay.cp > 1) else ("dp" if lay.fsdp or lay.zero_stage else "dp_cp")
+        if lay.placement(group, r.gpu.gpus_per_node) == "inter":
+            return [f"data-parallel collectives cross nodes ({r.gpu.inter_node_gbs:g} GB/s per GPU)"]
+        return []
+
+    def shard_states(self, s, tr, args, layout, part: str, layers: int, dtype: str, notes: list[str]) -> None:
+        from paratrain.parallel.dp.dp_memory import shard_states
+
+        shard_states(s, tr, args, layout, part, layers, dtype, notes)
+
     def optimizer_share(self, layout, seconds: float) -> float:
         return dp_cost.optimizer_share(layout, seconds)
 

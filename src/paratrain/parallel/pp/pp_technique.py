@@ -5,7 +5,12 @@ parallelize() runs on each stage's model."""
 from __future__ import annotations
 
 from paratrain.errors import UserError
-from paratrain.parallel.options import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES
+from paratrain.parallel.options import (
+    DEFAULT_PP_SCHEDULE,
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+)
 from paratrain.parallel.pp import pp_cost
 from paratrain.parallel.technique import Technique
 from paratrain.parallel.uneven_split import stage_layer_counts
@@ -49,6 +54,11 @@ def check_pipeline(layout) -> None:
                             f"{rounds} (micro-batches // pp); try {rounds * pp}")
 
 
+def stages_per_rank(schedule: str) -> int:
+    """The pipeline stages per rank the planner tries for a schedule (when --virtual-stages is not fixed)."""
+    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
 class PipelineParallel(Technique):
     family, family_rank = "pipeline", 50
     composes_step = True
@@ -58,6 +68,34 @@ class PipelineParallel(Technique):
 
     def check(self, args, layout, seq_len: int | None = None) -> None:
         check_pp(args, layout, seq_len)
+
+    search_order = 3
+
+    def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
+        if degrees["pp"] == 1:
+            return [{"pp_schedule": DEFAULT_PP_SCHEDULE, "virtual_stages": 1}]
+        if fixed.get("pp_schedule"):
+            schedule = fixed["pp_schedule"]
+            return [{"pp_schedule": schedule, "virtual_stages": fixed.get("virtual_stages") or stages_per_rank(schedule)}]
+        # the default schedule first: the planner's order decides between equally fast layouts
+        return [{"pp_schedule": s, "virtual_stages": stages_per_rank(s)}
+                for s in sorted(PP_SCHEDULES, key=lambda s: s != DEFAULT_PP_SCHEDULE)]
+
+    def deferred_in_search(self, layout, fixed: dict, nodes: int) -> bool:
+        # a pipeline joins when the cluster has several nodes or --pp is given; else only when nothing else fits
+        return self.enabled(layout) and not (nodes > 1 or (fixed.get("pp") or 1) > 1)
+
+    def allows_microbatches(self, layout, microbatches: int) -> bool:
+        # 1F1B needs at least as many micro-batches as stages
+        return not (self.enabled(layout) and layout.pp_schedule == "1f1b") or microbatches >= layout.pp
+
+    def step_reasons(self, r) -> list[str]:
+        lay = r.layout
+        if not self.enabled(lay):
+            return []
+        bubble = r.time.bubble_s / r.time.step_s
+        return [f"pipeline {lay.pp_schedule}{f' x{lay.virtual_stages} stages/rank' if lay.virtual_stages > 1 else ''}"
+                f": {lay.microbatches} micro-batches, bubble {bubble:.0%} of the step"]
 
     def stages(self, layout, n_layers: int, split) -> list[tuple[int, str, int]]:
         """(rank, part, layers) of every stage: `split()` (the planner's copy of the runtime's split), or the

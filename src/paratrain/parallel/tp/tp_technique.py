@@ -40,6 +40,33 @@ class TensorParallel(Technique):
 
         return apply_tp(model, layout.submesh("tp"), sp=layout.sp, plan=tp_plan)
 
+    search_order = 1
+
+    def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
+        # SP moves the same bytes as TP's all-reduces (all-gather + reduce-scatter) and shards the activations
+        # between blocks, so it is searched on; --no-sp / --strategy tp asks for plain TP. A technique that runs
+        # without SP (--ep: parallel/ep/expert_parallel.py check_ep) makes the layout's TP plain
+        if degrees["tp"] == 1:
+            return [{"sp": False}]
+        if fixed.get("sp") is not None:
+            return [{"sp": fixed["sp"]}]
+        return [{"sp": all(d.technique.allows_sp(degrees.get(d.name, 1)) for d in dims)}]
+
+    def frugal_options(self, degrees: dict[str, int]) -> dict:
+        return {"sp": degrees["tp"] > 1}
+
+    def reasons(self, r) -> list[str]:
+        lay, gpu = r.layout, r.gpu
+        if not self.enabled(lay):
+            return []
+        where = lay.placement("tp", gpu.gpus_per_node)
+        out = [f"TP={lay.tp} kept inside a node: intra-node {gpu.intra_node_gbs:g} GB/s vs inter-node "
+               f"{gpu.inter_node_gbs:g} GB/s" if where == "intra" else
+               f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s"]
+        if lay.sp:
+            out.append("sequence parallel keeps norms and the residual stream sharded between blocks")
+        return out
+
     def adjust_chunk(self, p, chunk) -> None:
         # async TP (torch's micro-pipelined TP) needs compile and SP
         if p.async_tp and p.layout.compile and p.layout.sp and self.enabled(p.layout):

@@ -1,9 +1,10 @@
 """Per-rank memory of a layout: parameters, gradients, optimizer state, activations and the rest, at the peak.
 
 Activations and temporaries come from tracing the actual model (trace.py), shard for shard; this file adds
-what the trace does not run: the data-parallel wrapper (DDP's gradient buckets, ZeRO-1's optimizer shard,
-FSDP2's sharded states and the unsharded parameters it gathers), and the pipeline (micro-batches in flight
-per schedule, and torch.distributed.pipelining's per-micro-batch receive buffers).
+what the trace does not run, as each technique's memory term says: the data-parallel wrapper (DDP's gradient
+buckets, ZeRO-1's optimizer shard, FSDP2's sharded states and the unsharded parameters it gathers:
+parallel/dp/dp_memory.py), and the pipeline (micro-batches in flight per schedule, and
+torch.distributed.pipelining's per-micro-batch receive buffers).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from paratrain.models.args import ModelArgs
 from paratrain.parallel.dims import techniques
 from paratrain.parallel.layout import Layout
-from paratrain.plan.costing.compose import Composed, trace
+from paratrain.plan.costing.compose import trace
 from paratrain.plan.tracing.trace import PhasePeak, TraceKey
 
 GIB = 2**30
@@ -74,17 +75,22 @@ class ChunkMemory:
 
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
     return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
-                    sp=layout.sp and layout.tp_enabled, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
+                    sp=layout.sp and layout.splits_within_layers, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
                     dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type,  # fp8: bf16 activations
                     ep=layout.ep if args.moe else 1)
 
 
-def _autocast_weight_copies(tr: Composed, layers: int, dtype: str) -> float:
-    """Autocast keeps a low-precision copy of every matmul weight from forward to backward; FSDP's bf16 policy
-    gathers bf16 weights instead, so these copies are not made there."""
-    if dtype == "fp32":
-        return 0.0
-    return tr.scalar("params", layers) / 2  # fp32 -> 16-bit: half the (matmul-dominated) parameter bytes
+@dataclass
+class RankStates:
+    """One model part's states on one rank as the techniques' memory terms change them (Technique.shard_states)."""
+
+    params: float
+    optimizer: float
+    grads: float
+    opt_rest: float  # optimizer-step temporaries
+    grads_live: float  # gradients alive at the forward/backward peak
+    extra: float  # resident buffers
+    fb: PhasePeak  # the traced forward/backward peak of one micro-batch
 
 
 def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int, dtype: str,
@@ -94,49 +100,11 @@ def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_le
     A = tr.scalar("activations", layers)
     fb = tr.phase("next_mb" if layout.microbatches > 1 else "first_mb", layers)
     opt = tr.phase("optimizer", layers)
-    opt_rest = max(0.0, opt.rest)
-    grads_live, extra = float(fb.grads), 0.0
-    if layout.fsdp:
-        f = layout.shard_degree
-        mixed = dtype in ("bf16", "fp8")
-        per_param = 2.0 if mixed else 4.0  # FSDP's unsharded copies are in the mixed-precision param dtype
-        unsharded_all = P / 4.0 * per_param
-        per_block = tr.per_block_params() / 4.0 * per_param
-        head = part in ("whole", "last")
-        if layout.zero_stage == 2:
-            held = unsharded_all  # reshard_after_forward=False: every gathered parameter waits for backward
-        else:
-            # ZeRO-3 gathers a group for its forward and again for its backward, and prefetches the next one.
-            # The traced peak (often the loss over the logits, when the head is already resharded) competes
-            # with the moments each group is gathered: take the highest.
-            head_bytes = (args.vocab_size * args.dim / layout.tp + args.dim) * per_param if head else 0.0
-            # a group being gathered exists twice for a moment (all-gather buffer + unsharded copy), next to
-            # the group in use (or the one prefetched)
-            moments = [tr.scalar("block_fwd_mark", layers) + 3 * per_block,
-                       tr.scalar("block_bwd_mark", layers) + 3 * per_block]
-            if head:
-                moments.append(tr.scalar("head_bwd_mark", layers) + 2 * head_bytes + per_block)
-            # the marks come from the first micro-batch; later ones also hold the accumulated gradients
-            accumulated = fb.grads - tr.phase("first_mb", layers).grads
-            traced_peak = fb.total - OPT  # the marks were taken without optimizer state
-            held = max(0.0, max(moments) + accumulated - traced_peak)
-        if mixed:
-            fb.rest = max(0.0, fb.rest - _autocast_weight_copies(tr, layers, dtype))
-        # gradients at the peak are the unsharded ones being computed (or accumulated unsynced over micro-batches)
-        # exactly as traced; the sharded ones appear only after each block's reduce-scatter
-        grads_live = float(fb.grads)
-        P, OPT, G = P / f, OPT / f, G / f
-        opt_rest /= f
-        extra = held
-        notes.append(f"FSDP shards params/grads/optimizer {f} ways; {held / GIB:.2f} GiB of unsharded "
-                     f"{'bf16' if mixed else 'fp32'} parameters held at the peak")
-    elif layout.ddp or layout.dp_replicate > 1:
-        # DDP's buckets (gradient_as_bucket_view) hold one copy of the gradients for the whole run; gradients
-        # accumulated under no_sync, and those just computed, are separate tensors until copied in
-        grads_live = float(fb.grads) + G
-        if layout.zero_stage == 1:
-            OPT /= layout.dp
-            opt_rest /= layout.dp
+    s = RankStates(params=P, optimizer=OPT, grads=G, opt_rest=max(0.0, opt.rest), grads_live=float(fb.grads),
+                   extra=0.0, fb=fb)
+    for technique in techniques():
+        technique.shard_states(s, tr, args, layout, part, layers, dtype, notes)
+    P, OPT, G, opt_rest, grads_live, extra = s.params, s.optimizer, s.grads, s.opt_rest, s.grads_live, s.extra
     fb = PhasePeak(total=0, params=P, grads=grads_live, optimizer=OPT, rest=fb.rest)
     return ChunkMemory(params=P, optimizer=OPT, grads=G, act_per_mb=A, fb=fb,
                        opt_rest=opt_rest, extra=extra, io_in=tr.io_bytes if part in ("middle", "last") else 0,

@@ -36,7 +36,7 @@ from paratrain.plan.search import Candidate, Job
 
 @dataclass
 class Split:
-    kind: str  # "even" | "dp" | "pp"
+    kind: str  # "even", or the uneven split it is (Layout.uneven_split): "batch" | "blocks"
     step_s: float
     per_device: list[dict]
     dp_batch_split: list[int] | None = None  # each data-parallel rank's micro-batch (the runtime's weights)
@@ -166,7 +166,7 @@ def dp_splits(job: Job, cluster: Cluster, lay: Layout) -> tuple[Split, Split | N
                            lambda i, caps=caps: caps[i])
         if sizes is None or len(set(sizes)) == 1:
             continue
-        trial = model.split(sizes, m, "dp")
+        trial = model.split(sizes, m, "batch")
         if trial.fits and (best is None or trial.step_s < best.step_s):
             best = trial
     return even, best
@@ -279,7 +279,7 @@ def pp_splits(job: Job, cluster: Cluster, lay: Layout) -> tuple[Split, Split | N
     layers = spread(per_rank)
     if layers == even.pp_layers or layers == even_layers(job, lay):
         return even, None
-    return even, model.split(layers, "pp")
+    return even, model.split(layers, "blocks")
 
 
 # -- both, and why ---------------------------------------------------------------------------------------------
@@ -305,9 +305,9 @@ def explain_split(even: Split, uneven: Split | None, chosen: Split, lay: Layout)
     out = [f"bottleneck: {_name(slow)} is busy {slow['busy_s']:.3g} s per step"
            + (f" (the least busy, {_name(fast)}, {fast['busy_s']:.3g} s)" if fast["rank"] != slow["rank"] else "")]
     if uneven is None:
-        if lay.pp == 1 and lay.tp == 1 and lay.cp == 1:
+        if lay.uneven_split == "batch":
             out.append("even split of the batch kept: no uneven split is predicted faster, or none fits")
-        elif lay.pp > 1 and lay.dp == 1:
+        elif lay.uneven_split == "blocks":
             out.append("even split of the blocks kept: no uneven split is predicted faster, or none fits")
         else:
             out.append("even split: the runtime splits unevenly over data parallelism alone (no tp / cp) or over "
@@ -315,7 +315,7 @@ def explain_split(even: Split, uneven: Split | None, chosen: Split, lay: Layout)
         return out
     gain = 1 - uneven.step_s / even.step_s
     if chosen is uneven:
-        if uneven.kind == "dp":
+        if uneven.kind == "batch":
             shares = ":".join(map(str, uneven.dp_batch_split))
             out.append(f"batch split {shares} over the data-parallel ranks, more sequences to the faster ones: "
                        f"{uneven.step_s:.3g} s vs {even.step_s:.3g} s per step split evenly ({gain:.0%} faster)")
@@ -333,9 +333,9 @@ def explain_split(even: Split, uneven: Split | None, chosen: Split, lay: Layout)
 def analyze(job: Job, cluster: Cluster, cand: Candidate) -> MixedResult:
     """Even and uneven splits of a candidate's layout on the cluster, the chosen one, and why."""
     lay = cand.layout
-    if lay.pp == 1 and lay.tp == 1 and lay.cp == 1:
+    if lay.uneven_split == "batch":
         even, uneven = dp_splits(job, cluster, lay)
-    elif lay.pp > 1 and lay.dp == 1:
+    elif lay.uneven_split == "blocks":
         even, uneven = pp_splits(job, cluster, lay)
     else:  # the runtime splits the batch unevenly over data parallelism alone (parallel/uneven_split.py)
         even, uneven = slowest_devices(cluster, lay, job), None
