@@ -26,8 +26,10 @@ def test_data_loading_fix_names_workers_and_pre_tokenized_data():
 
 
 def data_loading(cli, data: str) -> list[dict]:
+    # 8 steps: the first batches are tokenized before any step is timed, at the fixed delay alone; the later ones
+    # at 3 x the longest step (support/step_share.py), which a busy machine's slow steps cannot outgrow
     res = cli("doctor", "--json", "--timeout-s", "120", "--strategy", "single", "--nproc", "1", "--model", "tiny",
-              "--seq-len", "64", "--global-batch", "4", "--vocab-size", "320", "--steps", "3", "--data", data,
+              "--seq-len", "64", "--global-batch", "4", "--vocab-size", "320", "--steps", "8", "--data", data,
               "--tokenizer", "corpus/tok", timeout=240,
               env=plugin_env("support.slow_tokenizer:plugin", PARATRAIN_TEST_TOKENIZE_DELAY_S="0.01",
                              PARATRAIN_TEST_DELAY_STEP_SHARE="3"))

@@ -14,12 +14,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import weakref
 
 from paratrain.errors import UserError
 
 SHARE_ENV = "PARATRAIN_TEST_DELAY_STEP_SHARE"
 _longest_step_s = multiprocessing.Value("d", 0.0, lock=False)
-_tracked: set[int] = set()
+_tracked: weakref.WeakSet = weakref.WeakSet()  # registries timed already (not ids: a freed one's id is reused)
 
 
 def share_of_step() -> float:
@@ -32,9 +33,9 @@ def share_of_step() -> float:
 
 def track_steps(hooks) -> None:
     """Time each step's compute through `wrap_step` (once per registry)."""
-    if id(hooks) in _tracked:
+    if hooks in _tracked:
         return
-    _tracked.add(id(hooks))
+    _tracked.add(hooks)
 
     def timed(trainer, micro_batches, step):
         start = time.perf_counter()
