@@ -1,6 +1,6 @@
 """Measured data-parallel traffic per optimizer step against the theoretical optimum, side by side.
 
-Measured: paratrain.parallel.comm.count_collectives over real training steps (DDP reducer, FSDP2, ZeRO
+Measured: paratrain.parallel.collective_bytes.count_collectives over real training steps (DDP reducer, FSDP2, ZeRO
 broadcasts, plus the loss and grad-norm scalars), as ring "wire" bytes per rank. Optimum (Rajbhandari et al.
 2020, ZeRO): ring all-reduce of the gradients moves 2(N-1)/N * Psi * b bytes per rank; ZeRO-1 and ZeRO-2
 move the same (reduce-scatter + all-gather); ZeRO-3 adds one more all-gather: 1.5x. torch's ZeRO-1
@@ -26,7 +26,7 @@ def measure_worker(cfg_dict: dict, warmup: int, steps: int) -> dict | None:
     """Train `warmup` steps (DDP rebuilds its buckets, FSDP initialises lazily), then count `steps` steps."""
     from paratrain.config import TrainConfig
     from paratrain.models.presets import count_params
-    from paratrain.parallel.comm import count_collectives
+    from paratrain.parallel.collective_bytes import count_collectives
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
 

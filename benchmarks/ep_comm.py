@@ -4,7 +4,7 @@
 
 Runs moe-tiny under --strategy ep (experts split over every rank) on gloo/CPU, once with its own router and once
 with a router biased to expert 0 (tests/support/moe_faults.py: moe-biased-router). The bytes are counted by
-parallel/comm.py's dispatch mode, which sees every c10d all-to-all as issued (its input buffer), not from the
+parallel/collective_bytes.py's dispatch mode, which sees every c10d all-to-all as issued (its input buffer), not from the
 split sizes paratrain computes. The formula reads the split sizes (parallel/ep/ep_exchange.py: a token travels once
 to each rank holding any of its experts). Per MoE layer and micro-batch a rank's all-to-alls carry, as input:
 the Sr rows it sends and the Rr rows its experts received, dim values each, twice (forward, then their
@@ -50,8 +50,8 @@ def worker(steps: int, biased: bool) -> dict | None:
 
     from paratrain.config import TrainConfig
     from paratrain.models.presets import model_args_for
+    from paratrain.parallel.collective_bytes import count_collectives
     from paratrain.parallel.collective_hooks import add_interceptor
-    from paratrain.parallel.comm import count_collectives
     from paratrain.parallel.ep.ep_exchange import split_counts
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer

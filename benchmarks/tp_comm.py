@@ -24,7 +24,7 @@ def measure(sp: bool, n_layers: int, tp_mesh, device) -> dict:
     from paratrain.models.llama import ModelArgs
     from paratrain.models.plans import tp_plan_for
     from paratrain.models.presets import build_model
-    from paratrain.parallel.comm import count_collectives
+    from paratrain.parallel.collective_bytes import count_collectives
     from paratrain.parallel.tp.tensor_parallel import apply_tp
     from paratrain.train.step import clip_grad_norm, lm_loss
 

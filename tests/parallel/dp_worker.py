@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from paratrain.config import TrainConfig
 from paratrain.models.presets import count_params
-from paratrain.parallel.comm import count_collectives
+from paratrain.parallel.collective_bytes import count_collectives
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run

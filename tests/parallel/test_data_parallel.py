@@ -81,7 +81,7 @@ def test_collective_bytes_per_step(two_ranks):
 def test_ring_factors_and_disabled_counter_installs_nothing():
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from paratrain.parallel.comm import count_collectives, ring_factor
+    from paratrain.parallel.collective_bytes import count_collectives, ring_factor
 
     assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("all_gather", 4) == 0.75
     assert ring_factor("reduce_scatter", 1) == 0.0 and ring_factor("p2p", 8) == 1.0

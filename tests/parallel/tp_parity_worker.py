@@ -21,7 +21,7 @@ from paratrain.models.llama import ModelArgs
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, get_preset
 from paratrain.models.tp_styles import ReplicateParallel
-from paratrain.parallel.comm import count_collectives
+from paratrain.parallel.collective_bytes import count_collectives
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.tp.tensor_parallel import apply_tp
 from paratrain.train.step import lm_loss

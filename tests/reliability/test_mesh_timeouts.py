@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from paratrain.train.data import BatchSource, Prefetcher
-from paratrain.train.faults import RunFailed
+from paratrain.train.run_failures import RunFailed
 from reliability import mesh_timeout_worker
 
 

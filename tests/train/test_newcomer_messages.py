@@ -11,7 +11,7 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.presets import count_params, get_preset, model_args_for
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.train.counts import plural, readable_count
+from paratrain.train.readable_numbers import plural, readable_count
 from paratrain.train.runtime import Runtime
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run

@@ -173,7 +173,7 @@ def measure_cell(cfg, rt, warmup: int, steps: int) -> dict:
             rows.append({"step_time_s": record["step_time_s"], "data_wait_s": record["data_wait_s"],
                          **{f"{p}_s": timer.current.get(p, 0.0) for p in PHASES}})
         if step == warmup - 1:
-            from paratrain.parallel.comm import count_collectives
+            from paratrain.parallel.collective_bytes import count_collectives
 
             counting["ctx"] = count_collectives()
             counting["stats"] = counting["ctx"].__enter__()

@@ -1,6 +1,6 @@
 """Collective cost: ring formulas with a latency term, intra- vs inter-node placement, or calibrated figures.
 
-Payload bytes follow parallel/comm.py (what bench measures): all_reduce the tensor reduced, all_gather the
+Payload bytes follow parallel/collective_bytes.py (what bench measures): all_reduce the tensor reduced, all_gather the
 gathered output, reduce_scatter the unsharded input, all_to_all this rank's input, p2p the bytes sent. The
 bytes that cross each rank's link ("wire") are the payload times the ring factor below.
 

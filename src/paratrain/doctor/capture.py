@@ -129,7 +129,7 @@ class CaptureSession:
 
     def _start_counting(self) -> None:
         try:
-            from paratrain.parallel.comm import count_collectives
+            from paratrain.parallel.collective_bytes import count_collectives
         except ImportError:
             return
         self._counting = count_collectives()

@@ -1,4 +1,4 @@
-"""The seven causes of low utilization as rules: each looks at this run and may return one finding.
+"""The causes of low utilization as rules (RULES, nine): each looks at this run and may return one finding.
 
 A finding carries a severity, a score (the estimated fraction of step time at stake, used to rank
 findings of equal severity), evidence built from this run's numbers, and a fix that is a paratrain flag
@@ -16,7 +16,7 @@ from paratrain.doctor.shapes import misaligned_shapes, misaligned_share
 from paratrain.models.hf_files import hf_location, is_hf_model, read_hf_config
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2}
-# every `cause` a finding may name (the doctor --json contract); the rules here raise the first seven
+# every `cause` a finding may name (the doctor --json contract); RULES raise all but "hang" (doctor/hang.py)
 CAUSES = ("small_compute", "data_loading", "shapes", "memory", "communication", "allocation", "monitoring",
           "straggler", "expert_imbalance", "hang")
 

@@ -39,7 +39,7 @@ from paratrain.models.moe import (
     local_weight,
     routed_input,
 )
-from paratrain.models.routing import expert_counts
+from paratrain.models.moe_permute import expert_counts
 
 IMPLEMENTATION = "paratrain"
 
@@ -77,7 +77,7 @@ def install_paratrain_experts(hf_model: nn.Module) -> int:
         module.aux_scale = 1.0
         module.tp_mesh = None  # SplitExpertsOverTP: the tp ranks' mesh when the experts are split over it
         module.last_routing = None
-        module.routing_forwards = 0  # forwards since verify last read last_routing (verify/routing.py)
+        module.routing_forwards = 0  # forwards since verify last read last_routing (verify/routing_match.py)
         module.last_load = None
         module.last_dropped = 0
     return len(modules)

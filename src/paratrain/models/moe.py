@@ -18,7 +18,7 @@ from torch import nn
 
 from paratrain.models.args import ModelArgs
 from paratrain.models.llama import FeedForward, Transformer
-from paratrain.models.routing import expert_counts, inverse_permutation, permute, sorted_copies
+from paratrain.models.moe_permute import expert_counts, inverse_permutation, permute, sorted_copies
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ FALLBACK = {"FSDP": "data-parallel", "DDP/ZeRO-1": "data-parallel", "single": "d
             "data-parallel": "all", "tensor-parallel": "all", "context-parallel": "all", "pipeline": "all"}
 # what the predictions of the published runs depend on besides the traced model code (checked apart)
 INPUT_FILES = ("costs/collectives.py", "costs/expert_spread.py", "plan/costing/compose.py", "plan/costing/memory.py",
-               "plan/costing/time.py", "plan/search.py", "plan/job.py", "costs/hardware.py", "gpu_catalog.py",
+               "plan/costing/time.py", "plan/search.py", "plan/priced_job.py", "costs/hardware.py", "gpu_catalog.py",
                "plan/error_bars.py", "parallel/technique.py", "parallel/dp/dp_cost.py", "parallel/dp/dp_memory.py",
                "parallel/tp/tp_cost.py",
                "parallel/pp/pp_cost.py", "parallel/ep/ep_cost.py", "parallel/dp/dp_technique.py",

@@ -11,7 +11,7 @@ from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
 from paratrain.models.hf_files import is_hf_model
 from paratrain.parallel.layout import Layout
-from paratrain.plan.job import Job
+from paratrain.plan.priced_job import Job
 
 
 @functools.lru_cache(maxsize=64)

@@ -21,7 +21,7 @@ from paratrain.plan.error_bars import describe
 from paratrain.plan.inputs.cluster import Cluster, reference_profile, resolve_cluster
 from paratrain.plan.request import PlanRequest
 from paratrain.plan.search import Job
-from paratrain.train.counts import readable_count
+from paratrain.train.readable_numbers import readable_count
 
 log = logging.getLogger("paratrain")
 DTYPES = ("bf16", "fp16", "fp32", "fp8")

@@ -24,8 +24,8 @@ from paratrain.parallel.options import AC_MODES, DEFAULT_PP_SCHEDULE
 from paratrain.parallel.strategies import zero_stages
 from paratrain.plan.costing.memory import GIB, MemoryEstimate, estimate_memory, model_state_bytes
 from paratrain.plan.costing.time import TimeEstimate, estimate_time
-from paratrain.plan.job import Job  # noqa: F401 - callers take Job from here too
 from paratrain.plan.layout_rules import admitted, structural_problem, unpriceable
+from paratrain.plan.priced_job import Job  # noqa: F401 - callers take Job from here too
 
 SUBDIVIDING_DIMS = tuple(d for d in DEGREE_DIMS if not d.world_factor)
 

@@ -318,7 +318,7 @@ class Prefetcher:
         try:
             step, micro, exc = self.queue.get(timeout=self.timeout_s)
         except queue.Empty:
-            from paratrain.train.faults import RunFailed
+            from paratrain.train.run_failures import RunFailed
 
             raise RunFailed(f"the data loader produced no batch for step {self.position + 1} within "
                             f"{self.timeout_s:g} s (--timeout-s); it stalled reading {self.source.describe()}") from None

@@ -195,7 +195,7 @@ class StreamPrefetcher:
                 return
 
     def _stalled(self):
-        from paratrain.train.faults import RunFailed
+        from paratrain.train.run_failures import RunFailed
 
         return RunFailed(f"the data loader produced no batch for step {self.position + 1} within "
                          f"{self.timeout_s:g} s (--timeout-s); it stalled reading {self.source.describe()}")

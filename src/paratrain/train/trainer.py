@@ -29,10 +29,8 @@ from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
 from paratrain.train import checkpoint as ckpt
-from paratrain.train.counts import plural, readable_count
 from paratrain.train.data_loading import make_batch_source, make_prefetcher, make_train_data
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
-from paratrain.train.faults import RunFailed
 from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.host_memory import ResidentBaseline
@@ -40,6 +38,8 @@ from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary,
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
+from paratrain.train.readable_numbers import plural, readable_count
+from paratrain.train.run_failures import RunFailed
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
 from paratrain.train.step_record import LaunchedStep, PendingSteps, StepTiming

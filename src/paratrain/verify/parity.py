@@ -25,7 +25,7 @@ from paratrain.verify.compare import (
     nanmax,
 )
 from paratrain.verify.recorder import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
-from paratrain.verify.routing import RoutingCheck, routing_of
+from paratrain.verify.routing_match import RoutingCheck, routing_of
 
 _REFERENCES: dict[str, dict] = {}  # reference runs by config, so one process group can verify many layouts
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.models.routing import expert_counts, inverse_permutation, permute, sorted_copies
+from paratrain.models.moe_permute import expert_counts, inverse_permutation, permute, sorted_copies
 from paratrain.parallel.collective_hooks import collective
 
 

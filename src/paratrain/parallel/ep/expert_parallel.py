@@ -2,7 +2,7 @@
 their experts and back with all_to_all_single (variable splits; once per rank, not per copy: ep_exchange.py),
 expert weights FSDP-sharded over the rest.
 
-An MoE layer is found by its swap points, never by its class (of models/ only routing.py is used): `dispatch`,
+An MoE layer is found by its swap points, never by its class (of models/ only moe_permute.py is used): `dispatch`,
 `reduce_counts` and `aux_scale`. Its expert weights are its `experts` submodule (models/moe.py) or, where it has
 none, the layer itself (a transformers experts module, models/hf_moe.py: `reduce_counts` None, no balancing
 loss). `attach_moe` runs for every layout (the balancing loss counts tokens over all data ranks even without

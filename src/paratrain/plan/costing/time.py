@@ -48,7 +48,7 @@ class TimeEstimate:
     compute_s: float = 0.0  # forward + backward + optimizer on the critical path
     comm_exposed_s: float = 0.0
     bubble_s: float = 0.0
-    comm_bytes: float = 0.0  # payload bytes this rank sends/receives per step (parallel/comm.py convention)
+    comm_bytes: float = 0.0  # payload bytes this rank sends/receives per step (parallel/collective_bytes.py convention)
     comm_wire_bytes: float = 0.0
     comm_by_kind: dict = field(default_factory=dict)
     breakdown: dict = field(default_factory=dict)

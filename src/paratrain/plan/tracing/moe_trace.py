@@ -18,7 +18,7 @@ from torch import nn
 
 from paratrain.costs.expert_spread import ranks_per_token
 from paratrain.models.moe import combine, routed_input
-from paratrain.models.routing import inverse_permutation, permute, sorted_copies
+from paratrain.models.moe_permute import inverse_permutation, permute, sorted_copies
 
 
 def balanced_forward(moe: nn.Module, ep: int = 1, log=None):

@@ -1,4 +1,5 @@
-"""What a plan is asked about: the model, the devices, the batch and the run options every candidate shares."""
+"""Job: what every candidate the search prices shares: the model, the devices, the batch and the run options,
+resolved by plan/plan_cli.py from what `plan` was asked (plan/request.py's PlanRequest)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Collective accounting: count the bytes each collective moves, by op, while a block of code runs.
 
-    from paratrain.parallel.comm import count_collectives
+    from paratrain.parallel.collective_bytes import count_collectives
     with count_collectives() as stats:
         trainer.train_step(batch)
     stats.bytes_by_op      # {"all_reduce": 263168, "all_gather": ..., ...}: payload bytes on this rank
