@@ -122,7 +122,7 @@ def local_positions(positions: torch.Tensor) -> torch.Tensor:
 
 def _plant_cp_rope_positions(hooks: Hooks) -> list:
     def prepare_batch(inputs, targets, extra, layout):
-        if layout.cp_enabled and layout.submesh("cp").get_local_rank() == 1 and "positions" in extra:
+        if layout.splits_sequences and layout.submesh("cp").get_local_rank() == 1 and "positions" in extra:
             extra = {**extra, "positions": local_positions(extra["positions"])}  # the tokens stay the global ones
         return inputs, targets, extra
 

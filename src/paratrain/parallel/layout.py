@@ -153,9 +153,6 @@ class Layout:
             return "blocks"
         return ""
 
-    # the same questions by technique name, for code inside parallel/ (and the planner, until issue 45 moves it)
-    tp_enabled, pp_enabled, cp_enabled = splits_within_layers, splits_stages, splits_sequences
-
     def degrees(self) -> dict[str, int]:
         """Every degree, outermost first (the `dims` of plan, bench and verify JSON)."""
         return {n: getattr(self, n) for n in DEGREE_NAMES}
