@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 STRATEGIES = ("ddp", "zero3", "tp")
-SLOW_S = 0.15  # several times a tiny step (tens of ms here): load cannot hide it or fake it
+SLOW_S = 0.15  # several times a step (about 25 ms here; 10 ms steps jitter by 50% on a busy host): load cannot hide it or fake it
 
 
 def run_cases(out_dir: str) -> None:
@@ -24,7 +24,7 @@ def run_cases(out_dir: str) -> None:
             hooks = Hooks()
             if case == "slow":
                 attach(hooks, rank=1, phase="optimizer", seconds=SLOW_S)
-            cfg = TrainConfig(strategy=strategy, nproc=2, device="cpu", steps=7, seq_len=16, global_batch=4,
+            cfg = TrainConfig(strategy=strategy, nproc=2, device="cpu", steps=7, seq_len=64, global_batch=16,
                               monitor=True, monitor_every=2, monitor_windows=2, timeout_s=60)
             run_dir = Path(out_dir) / f"{strategy}-{case}"
             run_dir.mkdir(parents=True, exist_ok=True)

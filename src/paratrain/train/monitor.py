@@ -85,7 +85,7 @@ class Monitor:
         self.rows: list[dict] = []
         self.throughputs: list[float] = []
         self.streak = dict.fromkeys(THRESHOLDS, 0)
-        self.straggler_rank: int | None = None
+        self.straggler_at: tuple | None = None  # (rank, phase) of the current straggler streak
         self.alerts: list[dict] = []
         self.prom_path = run_dir / "metrics.prom" if (run_dir and is_main) else None
         self.server = serve_prometheus(port, self) if (port is not None and is_main) else None
@@ -149,10 +149,12 @@ class Monitor:
             values["straggler"] = window["straggler"]["excess"]
         window["causes"] = values
         self.write(window)
-        # a straggler is one rank, window after window: another rank over the threshold starts a new streak
-        slow_rank = (window.get("straggler") or {}).get("rank")
-        if slow_rank != self.straggler_rank:
-            self.streak["straggler"], self.straggler_rank = 0, slow_rank
+        # a straggler is one rank losing its time in one phase, window after window: another rank or phase over
+        # the threshold starts a new streak (a busy host's scheduling noise lands on whichever rank and phase)
+        found = window.get("straggler") or {}
+        slow_at = (found.get("rank"), found.get("phase"))
+        if slow_at != self.straggler_at:
+            self.streak["straggler"], self.straggler_at = 0, slow_at
         for cause, value in values.items():
             over = value is not None and value > THRESHOLDS[cause]
             self.streak[cause] = self.streak[cause] + 1 if over else 0
