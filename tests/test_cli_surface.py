@@ -1,0 +1,33 @@
+"""Issue 46: the options of every command are one contract. Generating them from the config's fields must not
+change a name, a flag, a type, a default or an order; only help texts may change. The fixtures were written
+from the hand-declared CLI (at 1806987) by tests/support/cli_surface.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from support.cli_surface import surface
+
+HERE = Path(__file__).parent / "support"
+
+
+def test_every_command_lists_the_same_options_with_the_same_defaults():
+    want = json.loads((HERE / "cli_surface.json").read_text())["options"]
+    got = json.loads(json.dumps(surface()["options"], default=str))
+    assert sorted(got) == sorted(want)
+    for command in want:
+        assert [o["name"] for o in got[command]] == [o["name"] for o in want[command]], command
+        for before, after in zip(want[command], got[command]):
+            assert after == before, (command, before["name"])
+
+
+def test_each_option_has_one_nonempty_help_text():
+    for where, text in surface()["helps"].items():
+        assert text and text.strip(), where
+
+
+def test_print_config_is_unchanged(cli_inproc):
+    res = cli_inproc("train", "--print-config")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == (HERE / "cli_print_config.toml").read_text()
