@@ -32,7 +32,7 @@ def bubble_worker(spec: dict) -> list[dict] | None:
     from paratrain.models.presets import build_model
     from paratrain.parallel.layout import Layout
     from paratrain.parallel.strategies import resolve_layout
-    from paratrain.train.data import Batch
+    from paratrain.train.data.indexed_sets import Batch
     from paratrain.train.pipeline_step import build_pipeline_step
     from paratrain.train.runtime import init_runtime, shutdown
 

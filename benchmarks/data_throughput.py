@@ -42,8 +42,8 @@ def write_corpus(root: Path, documents: int, seed: int = 0) -> Path:
 
 
 def loader_tokens_per_s(corpus: Path, tok: Path, seq_len: int, global_batch: int, steps: int) -> float:
-    from paratrain.train.doc_sources import parse_sources
-    from paratrain.train.doc_stream import DocumentStream, StreamConfig
+    from paratrain.train.data.doc_sources import parse_sources
+    from paratrain.train.data.doc_stream import DocumentStream, StreamConfig
 
     stream = DocumentStream(StreamConfig(parse_sources(str(corpus)), str(tok), seq_len))
     stream.next_global_batch(global_batch)  # opening the files and the first read-ahead
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--documents", type=int, default=4000)
     args = parser.parse_args()
-    from paratrain.train.train_tokenizer import train_tokenizer
+    from paratrain.train.data.train_tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -2,7 +2,7 @@
 flight recorder cost?
 
 For each strategy the same configuration runs as five CLI launches per round (2 ranks, as a user runs them):
-    train     plain `train` (the flight recorder is on by default: train/flight_recorder.py)
+    train     plain `train` (the flight recorder is on by default: train/recovery/flight_recorder.py)
     doctor    `doctor` on the same steps
     monitor   `train --monitor` (its default window: a breakdown every 10 steps)
     control   plain `train` again: the noise floor, what the same command measures against itself

@@ -1,10 +1,10 @@
-"""What the flight recorder (train/flight_recorder.py) adds per event, measured in isolation on this machine:
+"""What the flight recorder (train/recovery/flight_recorder.py) adds per event, measured in isolation on this machine:
 
     torch entry   one small gloo all_reduce with PyTorch's recorder on (TORCH_FR_BUFFER_SIZE=256) minus off,
                   each in its own 1-rank process (the buffer size is read once per process)
     phase         one on_phase mark (the trainer fires 4 per step)
     collective    one of paratrain's own collectives through the interceptor, minus without it
-(The send/recv wrapper, train/p2p_trace.py, does a dict and a counter per op, the interceptor's order of cost;
+(The send/recv wrapper, train/recovery/p2p_trace.py, does a dict and a counter per op, the interceptor's order of cost;
 gloo cannot send to itself, so a 1-rank group cannot time it.)
 
 Per-step cost is these times the events per step; benchmarks/doctor_overhead.py measures whole runs
@@ -40,8 +40,8 @@ def child(mode: str, n: int, repeats: int) -> None:
     import torch.distributed as dist
 
     from paratrain.parallel.collective_hooks import collective
-    from paratrain.train.flight_recorder import FlightRecorder
     from paratrain.train.hooks import Hooks
+    from paratrain.train.recovery.flight_recorder import FlightRecorder
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

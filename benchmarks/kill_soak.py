@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.train.checkpoint import load_params
+from paratrain.train.recovery.checkpoint import load_params
 
 # the kill comes from the tests' plugin (tests/support/kill_stall.py), loaded through PARATRAIN_PLUGINS
 TESTS = str(Path(__file__).resolve().parents[1] / "tests")

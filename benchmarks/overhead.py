@@ -47,7 +47,7 @@ def worker(args: dict) -> dict | None:
 
     from paratrain.config import TrainConfig
     from paratrain.models.presets import build_model, model_args_for
-    from paratrain.train.data import SyntheticMarkov
+    from paratrain.train.data.indexed_sets import SyntheticMarkov
     from paratrain.train.runtime import init_runtime, shutdown
     from paratrain.train.trainer import Trainer
 

@@ -73,7 +73,7 @@ def write_windows(path: Path, steps: int) -> None:
     import numpy as np
 
     from paratrain.config import TrainConfig
-    from paratrain.train.data import make_dataset
+    from paratrain.train.data.indexed_sets import make_dataset
 
     cfg = TrainConfig(**run_config())
     data = make_dataset(cfg.data, MODEL["vocab_size"], cfg.seq_len, cfg.seed, cfg.val_fraction)

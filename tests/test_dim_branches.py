@@ -37,7 +37,7 @@ ALLOWED_DEGREE_COMPARISONS, DEGREE_REASONS = allowed({
     ("costs/expert_spread.py: ep <= 1",):
         "ranks_per_token is a formula of the expert-parallel degree as a number (the ranks a token's top-k experts "
         "reach); ep <= 1 is its base case, one rank holding every expert, not a branch on what a run does",
-    ("train/replica_launch.py: (cfg.dp_replicate or 1) > 1",):
+    ("train/recovery/replica_launch.py: (cfg.dp_replicate or 1) > 1",):
         "--heal-replicas' refusal suggests the replica count the user gave (--dp-replicate), read from the config "
         "before any Layout exists: a data-parallel option read back, not a branch on what the run does",
 })
@@ -109,6 +109,6 @@ def test_the_counters_see_each_form_and_nothing_else():
         "6: group == 'tp'", "6: name in ('ep', 'dp_shard')", "6: 'cp' != name",
         "5: lists ('tp', 'pp', 'cp', 'dp_shard', 'ep')"]
     # a second copy of an allowed comparison is one too many
-    twice = Counter({"train/replica_launch.py: (cfg.dp_replicate or 1) > 1": 2})
+    twice = Counter({"train/recovery/replica_launch.py: (cfg.dp_replicate or 1) > 1": 2})
     with pytest.raises(AssertionError, match="replica_launch.py"):
         compare_with_allowed(twice, ALLOWED_DEGREE_COMPARISONS, DEGREE_COMPARISONS_AT_MOST, "degree comparison")

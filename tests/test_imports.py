@@ -226,14 +226,14 @@ ALLOWED_REACHES = allowed({
      "parallel/tied_weights.py: reads pp_mesh.get_group()._get_backend",
      "parallel/tied_weights.py: reads pp_mesh.get_group()._get_backend(torch.device(device_type)).options._timeout"):
         PG_TIMEOUT,
-    ("train/flight_recorder.py: reads torch._C._distributed_c10d._dump_fr_trace_json",):
+    ("train/recovery/flight_recorder.py: reads torch._C._distributed_c10d._dump_fr_trace_json",):
         "PyTorch's flight recorder is dumped only through this binding (torch's own fr_trace tool uses it)",
     ("train/memory_snapshot.py: reads torch.cuda.memory._record_memory_history",
      "train/memory_snapshot.py: reads torch.cuda.memory._dump_snapshot"):
         "torch's documented memory-snapshot API (docs: 'Understanding CUDA Memory Usage') has only these names",
-    ("train/replica_transport.py: overrides HTTPTransport._load_from_address",):
+    ("train/recovery/replica_transport.py: overrides HTTPTransport._load_from_address",):
         "torchft's peer-checkpoint load, replaced to load weights_only (torchft's own unpickles)",
-    ("train/replica_transport.py: reads transport._server",):
+    ("train/recovery/replica_transport.py: reads transport._server",):
         "torchft builds its request handler inside __init__: silencing its access log goes through the server",
     ("verify/recorder.py: reads torch._C._current_graph_task_id",):
         "the only way to tell a checkpoint's recomputed forward (inside backward) from a new one",

@@ -171,7 +171,7 @@ def resolve_config(opts: dict, **forced):
 
 
 def refuse_replica_healing(cfg, command: str, why: str) -> None:
-    """--heal-replicas is a train option (train/replica_launch.py); the other commands that take the train options
+    """--heal-replicas is a train option (train/recovery/replica_launch.py); the other commands that take the train options
     must not accept it and silently run without it."""
     if cfg.heal_replicas:
         raise UserError(f"--heal-replicas (or heal_replicas in the config) does not apply to `paratrain {command}`: "
@@ -216,7 +216,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         cfg = resolve_auto_strategy(cfg)
     world = world_size_for(cfg)
     if cfg.heal_replicas:
-        from paratrain.train.replica_launch import check_heal_run
+        from paratrain.train.recovery.replica_launch import check_heal_run
 
         check_heal_run(cfg, world, script)
     if script:
@@ -242,7 +242,7 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
         raise UserError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
     try:
         if cfg.heal_replicas:
-            from paratrain.train.replica_launch import run_replicas
+            from paratrain.train.recovery.replica_launch import run_replicas
 
             results = {0: run_replicas(cfg, run_dir, world)}
         else:
@@ -271,8 +271,8 @@ def train(print_config: bool = typer.Option(False, "--print-config", help="print
              summary["tokens_per_s"], mfu, run_dir)
     if as_json:
         emit_json({k: v for k, v in summary.items() if k != "losses"} | ({"probe": probed} if probed else {}))
-    if summary.get("stopped"):  # preempted (train/preemption.py): its own exit status, the checkpoint saved
-        from paratrain.train.preemption import exit_status
+    if summary.get("stopped"):  # preempted (train/recovery/preemption.py): its own exit status, the checkpoint saved
+        from paratrain.train.recovery.preemption import exit_status
 
         return exit_status()
 
@@ -363,7 +363,7 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each 
                  as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
     """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
     setup_cli_logging()
-    from paratrain.train.prepare_tokens import prepare_tokens, sidecar_path
+    from paratrain.train.data.prepare_tokens import prepare_tokens, sidecar_path
 
     meta = prepare_tokens(tokenizer, files, out, eot, text_field=text_field)
     log.info("wrote %s: %s tokens (%s), %d document(s), vocab %d; sidecar %s", out, f"{meta['tokens']:,}",
@@ -382,7 +382,7 @@ def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files (eac
     """Train a byte-level BPE tokenizer.json on your own documents, read as `train` reads them (for `data prepare
     --tokenizer DIR` or `train --tokenizer DIR`)."""
     setup_cli_logging()
-    from paratrain.train.train_tokenizer import train_tokenizer
+    from paratrain.train.data.train_tokenizer import train_tokenizer
 
     doc = train_tokenizer(files, out, vocab_size, text_field)
     log.info("wrote %s: byte-level BPE, vocab %d, trained on %d document(s) of %d file(s) (%s bytes)",

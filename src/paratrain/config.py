@@ -98,7 +98,7 @@ class _RunFields(BaseModel):
     memory_check: bool = True
     max_restarts: int = Field(0, ge=0)
     # ddp replicas as separate processes: the others train on when one is lost, a restarted one copies a live
-    # peer's state (train/replica_heal.py, docs/reliability.md); needs torchft
+    # peer's state (train/recovery/replica_heal.py, docs/reliability.md); needs torchft
     heal_replicas: bool = False
 
 
@@ -146,10 +146,10 @@ class TrainConfig(_WithDegrees):
     monitor_windows: int = Field(3, ge=1)
     monitor_port: int | None = Field(None, ge=0, le=65535)
     # each rank's recent collectives and phases, written under RUNDIR/hang/ when it stops; the launcher names
-    # the rank that stalled or died from them (train/flight_recorder.py, docs/reliability.md)
+    # the rank that stalled or died from them (train/recovery/flight_recorder.py, docs/reliability.md)
     flight_recorder: bool = True
     # on this signal every rank checkpoints at the next step and the run stops; --resume auto continues it
-    # (train/preemption.py; a Slurm job from `launch slurm` asks for USR1 before its time limit)
+    # (train/recovery/preemption.py; a Slurm job from `launch slurm` asks for USR1 before its time limit)
     preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] | None = None
 
     @field_validator("*")

@@ -22,9 +22,9 @@ from paratrain.models.hf_files import is_hf_model
 from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import build_model, model_args_for
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.train.data_loading import make_prefetcher, make_train_data
+from paratrain.train.data.packing import IGNORE
+from paratrain.train.data.source import make_prefetcher, make_train_data
 from paratrain.train.hooks import Hooks
-from paratrain.train.packing import IGNORE
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run

@@ -14,8 +14,8 @@ import pytest
 
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.train.data_loading import make_train_data
-from paratrain.train.doc_sources import parse_sources
+from paratrain.train.data.doc_sources import parse_sources
+from paratrain.train.data.source import make_train_data
 from support.doc_corpus import make_corpus
 
 pytest.importorskip("datasets")

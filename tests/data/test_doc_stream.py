@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.presets import build_model, model_args_for
-from paratrain.train.data_loading import make_batch_source, make_prefetcher, make_train_data
-from paratrain.train.doc_sources import is_document_spec, parse_sources
-from paratrain.train.packing import IGNORE, Packer, rows_to_batch
+from paratrain.train.data.doc_sources import is_document_spec, parse_sources
+from paratrain.train.data.packing import IGNORE, Packer, rows_to_batch
+from paratrain.train.data.source import make_batch_source, make_prefetcher, make_train_data
 from support.doc_corpus import make_corpus
 
 pytest.importorskip("datasets")
@@ -111,7 +111,7 @@ def test_worker_processes_tokenize_round_robin_into_the_same_stream(corpus, monk
     """--data-workers 2 and 3: worker processes tokenize the chunks of documents in turn (3 documents a chunk
     here, so every worker has several), and the rows and the state are those of one worker, also across a
     resume from the state after step 2 at another worker count."""
-    from paratrain.train import doc_stream
+    from paratrain.train.data import doc_stream
 
     monkeypatch.setattr(doc_stream, "LOOKAHEAD", 3)  # read by the forked workers as well
     cfg = cfg_for(corpus, data=f"{corpus['a']}:0.6,{corpus['b']}:0.4")
@@ -197,8 +197,8 @@ def test_data_prepare_takes_each_record_as_a_document(corpus, tmp_path):
     order the stream reads them (so the streamed and the pre-tokenized run see the same tokens)."""
     import json as _json
 
-    from paratrain.train.doc_stream import open_tokenizer
-    from paratrain.train.prepare_tokens import prepare_tokens
+    from paratrain.train.data.doc_stream import open_tokenizer
+    from paratrain.train.data.prepare_tokens import prepare_tokens
 
     meta = prepare_tokens(corpus["tok"], [corpus["a"], corpus["b"]], tmp_path / "t.bin")
     assert meta["documents"] == 120 + 80 and [s["documents"] for s in meta["sources"]] == [120, 80]
@@ -212,7 +212,7 @@ def test_data_prepare_takes_each_record_as_a_document(corpus, tmp_path):
 def test_a_prepared_token_file_mixes_as_its_documents(corpus, tmp_path):
     """'a.jsonl:0.6,b.bin:0.4' with b.bin = `data prepare` of b.parquet: the same global batches as the mixture of
     the Parquet file itself; a token file without its sidecar is refused."""
-    from paratrain.train.prepare_tokens import prepare_tokens
+    from paratrain.train.data.prepare_tokens import prepare_tokens
 
     prepare_tokens(corpus["tok"], [corpus["b"]], tmp_path / "b.bin")
     streamed = make_train_data(cfg_for(corpus), 320).open()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from paratrain.train.data_loading import make_batch_source, make_prefetcher
-from paratrain.train.torch_data import TorchData
+from paratrain.train.data.source import make_batch_source, make_prefetcher
+from paratrain.train.data.torch_data import TorchData
 
 SEQ = 8
 

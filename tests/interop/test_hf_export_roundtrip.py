@@ -34,8 +34,8 @@ from paratrain.errors import UserError
 from paratrain.models.hf_model import build_hf_model
 from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_shape import args_from_hf_config
-from paratrain.train.data import BatchSource, make_dataset
-from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.train.data.indexed_sets import BatchSource, make_dataset
+from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from reliability.inproc import run_cli_inproc
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -112,7 +112,7 @@ def tokenized_qwen2_chain(tmp_path_factory):
     """A tied Qwen2 trained first on 300 documents (digits, punctuation) with a tokenizer `paratrain data
     tokenizer` trains on them, then from its export under tp (synthetic data). The model directory holds the same
     tokenizer.json, as a user keeps it beside the config."""
-    from paratrain.train.train_tokenizer import train_tokenizer
+    from paratrain.train.data.train_tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("qwen2-tokenized")
     rng = random.Random(7)

@@ -17,8 +17,8 @@ import transformers  # the [hf] extra is part of [test]
 from paratrain.convert.hf_export import export_checkpoint  # noqa: E402
 from paratrain.interop import hf_format  # noqa: E402
 from paratrain.models.presets import PRESETS, build_model  # noqa: E402
-from paratrain.train.checkpoint import load_params  # noqa: E402
-from paratrain.train.data import BatchSource, make_dataset  # noqa: E402
+from paratrain.train.data.indexed_sets import BatchSource, make_dataset  # noqa: E402
+from paratrain.train.recovery.checkpoint import load_params  # noqa: E402
 from reliability.inproc import run_cli_inproc
 
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))

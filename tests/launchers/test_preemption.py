@@ -1,4 +1,4 @@
-"""Preemption without a scheduler (train/preemption.py): the signal reaches one rank of two, at step 3; both
+"""Preemption without a scheduler (train/recovery/preemption.py): the signal reaches one rank of two, at step 3; both
 ranks agree on that step (the per-step all-reduce of the flag), checkpoint together and stop with the
 preempted status. The real Slurm signal, the requeue, and a resume to an uninterrupted run's losses:
 test_real_slurm.py."""
@@ -16,7 +16,7 @@ TRAIN = ["train", "--model", "tiny", "--nproc", "2", "--steps", "6", "--timeout-
 
 @pytest.mark.timeout(240)
 def test_one_rank_signalled_both_checkpoint_at_its_step(tmp_path):
-    from paratrain.train.preemption import EXIT_PREEMPTED
+    from paratrain.train.recovery.preemption import EXIT_PREEMPTED
 
     run_dir = tmp_path / "run"
     env = plugin_env("support.preempt_signal:plugin", PARATRAIN_TEST_PREEMPT_AT="1:3")
@@ -34,7 +34,7 @@ def test_one_rank_signalled_both_checkpoint_at_its_step(tmp_path):
 def test_a_signal_while_the_trainer_is_built_stops_at_the_first_step(tmp_path):
     """Before the trainer installs its handler (here: while the model is parallelized) the signal is not lost:
     the worker watches for it from its start, and the run checkpoints at step 1 and stops as preempted."""
-    from paratrain.train.preemption import EXIT_PREEMPTED
+    from paratrain.train.recovery.preemption import EXIT_PREEMPTED
 
     run_dir = tmp_path / "run"
     env = plugin_env("support.preempt_signal:plugin", PARATRAIN_TEST_PREEMPT_AT="0:0")

@@ -27,7 +27,7 @@ from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.layout import Layout
 from paratrain.train.hf_run_checks import check_hf_moe_run
-from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from reliability.inproc import launch_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,7 +147,7 @@ def _umask() -> int:
 
 def export_loss_on_first_batch(out: Path) -> float:
     """transformers' next-token loss of the exported model on the first batch of a 4-row, 32-token run."""
-    from paratrain.train.data import BatchSource, make_dataset
+    from paratrain.train.data.indexed_sets import BatchSource, make_dataset
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     batch = BatchSource(make_dataset("synthetic", model.config.vocab_size, 32, 0), 4, 0, 1, 4).rank_batch(0)

@@ -24,7 +24,7 @@ from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import config_fields, resolve_layout
 from paratrain.parallel.uneven_split import dp_loss_weight, dp_micro_batches, stage_layer_counts
-from paratrain.train.data import BatchSource, SyntheticMarkov
+from paratrain.train.data.indexed_sets import BatchSource, SyntheticMarkov
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_MARGIN = 5  # tolerance / largest error seen, per check; measured margins are in docs/strategies.md

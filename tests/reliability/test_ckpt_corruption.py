@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train import checkpoint as ckpt
+from paratrain.train.recovery import checkpoint as ckpt
 from reliability.inproc import make_trainer, one_rank
 
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from helpers import plugin_env, run_cli
-from paratrain.train.hang_report import diagnose
+from paratrain.train.recovery.hang_report import diagnose
 from reliability.inproc import run_cli_inproc
 from support.doc_corpus import make_corpus
 
@@ -137,8 +137,8 @@ def test_diagnosis_from_planted_records():
 
 @pytest.mark.timeout(120)
 def test_recorder_writes_when_stalled_and_a_run_that_ends_well_leaves_nothing(tmp_path):
-    from paratrain.train.flight_recorder import FlightRecorder
     from paratrain.train.hooks import Hooks
+    from paratrain.train.recovery.flight_recorder import FlightRecorder
 
     hooks = Hooks()
     recorder = FlightRecorder(0, tmp_path / "hang", stall_after_s=0.2)

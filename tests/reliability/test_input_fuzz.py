@@ -242,7 +242,7 @@ def data_cases(draw):
 def test_fuzz_document_sources(tmp_path):
     """--data mixtures of good and bad document files. Besides check(): an exit 2 prints its one line and nothing
     else (a corrupted Parquet file's was printed three times), and a mixture written wrong shows how to write one."""
-    from paratrain.train.train_tokenizer import train_tokenizer
+    from paratrain.train.data.train_tokenizer import train_tokenizer
 
     (tmp_path / "words.txt").write_text("the cat sat on a mat while a dog ran\n" * 20)
     tok = train_tokenizer([tmp_path / "words.txt"], tmp_path / "tok", 300)["tokenizer"]

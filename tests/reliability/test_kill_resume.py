@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import plugin_env
-from paratrain.train import checkpoint as ckpt
+from paratrain.train.recovery import checkpoint as ckpt
 from reliability.inproc import make_trainer, one_rank, run_cli_inproc
 from reliability.procnet import is_loopback
 from reliability.runs import KILL_EVERY, KILL_STEPS, kill_args, run_train

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from paratrain.train.data import BatchSource, Prefetcher
-from paratrain.train.run_failures import RunFailed
+from paratrain.train.data.indexed_sets import BatchSource, Prefetcher
+from paratrain.train.recovery.run_failures import RunFailed
 from reliability import mesh_timeout_worker
 
 

@@ -1,4 +1,4 @@
-"""train --heal-replicas (train/replica_heal.py): one DDP replica of 3 is SIGKILLed inside a step with no
+"""train --heal-replicas (train/recovery/replica_heal.py): one DDP replica of 3 is SIGKILLed inside a step with no
 checkpoint directory; the other two keep stepping in the same processes, the replacement copies its state from a live peer,
 and at the end the 3 replicas hold bit-identical parameters and optimizer states. The reference is the replicas
 themselves (each other's state, compared bit for bit). The identical-state check is shown to fail when a joiner
@@ -19,8 +19,8 @@ import torch
 from helpers import plugin_env, run_cli
 from paratrain.config import load_config
 from paratrain.errors import UserError
-from paratrain.train.replica_heal import load_replica_state, replica_state, state_differences
-from paratrain.train.replica_launch import check_heal_run
+from paratrain.train.recovery.replica_heal import load_replica_state, replica_state, state_differences
+from paratrain.train.recovery.replica_launch import check_heal_run
 
 REPLICAS, STEPS, KILLED, KILL_AFTER, HOLD_AFTER, GLOBAL_BATCH = 3, 10, 1, 3, 6, 12
 
@@ -165,7 +165,7 @@ def test_a_peer_state_arrives_weights_only_and_serving_it_logs_nothing(tmp_path,
     """Reference: the state a live replica sends (replica_state) arrives bit-identical over the transport a healing
     replica uses; a payload that would run code on unpickling is refused and does not run; torchft's checkpoint
     server writes no access-log line to the terminal."""
-    from paratrain.train.replica_transport import peer_checkpoint_transport
+    from paratrain.train.recovery.replica_transport import peer_checkpoint_transport
 
     timeout = timedelta(seconds=30)
     peer, joiner = peer_checkpoint_transport(timeout), peer_checkpoint_transport(timeout)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.train.counter_hash import uniform_hash
+from paratrain.train.data.counter_hash import uniform_hash
 from reliability.inproc import run_cli_inproc
 
 SMALL = ["--strategy", "single", "--seq-len", "8", "--global-batch", "1", "--no-metrics"]
@@ -52,7 +52,7 @@ def test_failed_second_save_keeps_the_first(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr("paratrain.train.checkpoint.dcp.save", failing_second)
+    monkeypatch.setattr("paratrain.train.recovery.checkpoint.dcp.save", failing_second)
     code, _, err = run_cli_inproc(["train", *SMALL, "--steps", "3", "--ckpt-every", "1", "--out", "run"],
                                   cwd=tmp_path)
     line = one_line_error(err)

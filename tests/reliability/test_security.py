@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from paratrain.train import checkpoint as ckpt
-from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.train.recovery import checkpoint as ckpt
+from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from reliability.inproc import make_trainer, one_rank
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "paratrain"
@@ -148,7 +148,7 @@ def test_dotted_name_through_an_allowed_module_does_not_run(ckpts, tmp_path, cap
 
 def rewrite_storage(step_dir: Path, new_path) -> None:
     """Point every entry of a real .metadata at new_path (rebuilt with the safe unpickler, dumped again)."""
-    from paratrain.train.safe_dcp import _MetadataUnpickler
+    from paratrain.train.recovery.safe_dcp import _MetadataUnpickler
 
     meta = step_dir / ".metadata"
     with open(meta, "rb") as f:

@@ -20,7 +20,7 @@ def make_corpus(root: Path, seed: int = 0, jsonl_docs: int = 120, parquet_docs: 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from paratrain.train.train_tokenizer import train_tokenizer
+    from paratrain.train.data.train_tokenizer import train_tokenizer
 
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ test_replica_healing.py, benchmarks/goodput.py), attached through the after_step
                                           world, once per step value (a restart that redoes it does not die again);
   PARATRAIN_TEST_REPLICA_DIR=DIR          where the markers go; each process also appends "pid step" lines to
                                           DIR/steps-rINDEX.txt and, at the last step, saves its replica_state
-                                          (train/replica_heal.py) to DIR/state-rINDEX-aATTEMPT.pt.
+                                          (train/recovery/replica_heal.py) to DIR/state-rINDEX-aATTEMPT.pt.
 The replica index comes from the supervisor's PARATRAIN_REPLICA_INDEX; outside --heal-replicas it is the rank.
 """
 
@@ -25,7 +25,7 @@ import signal
 import time
 from pathlib import Path
 
-from paratrain.train.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV
+from paratrain.train.recovery.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV
 
 KILL_ENV, HOLD_ENV, EVERY_ENV, DIR_ENV = ("PARATRAIN_TEST_KILL_REPLICA", "PARATRAIN_TEST_HOLD_AFTER",
                                           "PARATRAIN_TEST_KILL_EVERY", "PARATRAIN_TEST_REPLICA_DIR")
@@ -91,7 +91,7 @@ def plugin(hooks) -> None:
         if record["step"] == trainer.cfg.steps:
             import torch
 
-            from paratrain.train.replica_heal import replica_state
+            from paratrain.train.recovery.replica_heal import replica_state
 
             torch.save(replica_state(trainer), out / f"state-r{index}-a{attempt}.pt")
         if kill is not None and not kill_inside and (index, record["step"]) == kill and attempt == 0:

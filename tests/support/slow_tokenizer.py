@@ -29,7 +29,7 @@ class SlowTokenizer:
 
 
 def plugin(hooks) -> None:
-    from paratrain.train import doc_stream
+    from paratrain.train.data import doc_stream
 
     text = os.environ.get(DELAY_ENV, "") or "0"
     try:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.train.data import BatchSource, SyntheticMarkov
+from paratrain.train.data.indexed_sets import BatchSource, SyntheticMarkov
 from paratrain.train.hooks import Hooks
 from paratrain.train.step import PlainStep
 from support.throttle import SLOWDOWN_ENV, Throttle, attach, plugin, rank_slowdown

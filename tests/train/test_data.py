@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.data import BatchSource, Prefetcher, SyntheticMarkov, TokenFile, make_dataset
+from paratrain.train.data.indexed_sets import (
+    BatchSource,
+    Prefetcher,
+    SyntheticMarkov,
+    TokenFile,
+    make_dataset,
+)
 
 
 def test_entropy_floor_is_the_empirical_conditional_entropy():

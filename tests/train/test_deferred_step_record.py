@@ -11,7 +11,7 @@ import pytest
 from paratrain.config import TrainConfig
 from paratrain.train import hooks as hooks_module
 from paratrain.train.hooks import Hooks
-from paratrain.train.run_failures import RunFailed
+from paratrain.train.recovery.run_failures import RunFailed
 from paratrain.train.runtime import init_runtime
 from paratrain.train.trainer import Trainer
 from support.step_faults import FAULT_ENV, StepFault

@@ -22,7 +22,7 @@ from paratrain.parallel.activation_checkpoint import ac_mode_of, apply_ac
 from paratrain.parallel.compile import apply_compile, is_compiled
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train import memory_snapshot as ms
-from paratrain.train.data import BatchSource, SyntheticMarkov
+from paratrain.train.data.indexed_sets import BatchSource, SyntheticMarkov
 from paratrain.train.optim import build_optimizer
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, lm_loss

@@ -91,7 +91,7 @@ def test_whole_model_compile_keeps_names_and_cuda_graphs_mark_each_step(monkeypa
 
     from paratrain.models.presets import build_model, get_preset
     from paratrain.parallel.compile import apply_compile, is_whole_compiled
-    from paratrain.train.data import Batch
+    from paratrain.train.data.indexed_sets import Batch
     from paratrain.train.step import PlainStep
 
     model = build_model(get_preset("gpt2-tiny"), seed=0)

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import CLIResult
-from paratrain.train.prepare_tokens import prepare_tokens
+from paratrain.train.data.prepare_tokens import prepare_tokens
 from reliability.inproc import run_cli_inproc
 
 TEXTS = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import CLIResult
-from paratrain.train.data import TokenFile
+from paratrain.train.data.indexed_sets import TokenFile
 from reliability.inproc import run_cli_inproc
 
 
@@ -55,7 +55,7 @@ def test_val_fraction_holds_out_the_tail_and_never_trains_on_it(tmp_path):
 
 
 def test_val_data_file_is_read_in_order_from_its_start(tmp_path):
-    from paratrain.train.data import make_val_dataset
+    from paratrain.train.data.indexed_sets import make_val_dataset
 
     write_bin(tmp_path / "v.bin", 1_000)
     val = make_val_dataset("synthetic", str(tmp_path / "v.bin"), 0.0, 0, 256, 32, 0)

@@ -13,7 +13,7 @@ import torch
 
 from paratrain.errors import UserError
 from paratrain.interop.hf_format import HFTensor
-from paratrain.train.safe_dcp import SafeFileSystemReader
+from paratrain.train.recovery.safe_dcp import SafeFileSystemReader
 
 
 @dataclass

@@ -29,8 +29,8 @@ from paratrain.interop.hf_format import HFTensor, hf_config, hf_tensors
 from paratrain.interop.hf_import import INDEX, SINGLE
 from paratrain.interop.optional import require
 from paratrain.models.llama import ModelArgs
-from paratrain.train.checkpoint import MANIFEST, check_complete, latest_complete, read_manifest
-from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.train.recovery.checkpoint import MANIFEST, check_complete, latest_complete, read_manifest
+from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

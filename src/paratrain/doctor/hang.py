@@ -1,12 +1,12 @@
 """`paratrain doctor --hang RUNDIR`: after a run hung or died, name the rank from its flight-recorder files
-(RUNDIR/hang/rank-N.json, train/flight_recorder.py), as the launcher's last line did."""
+(RUNDIR/hang/rank-N.json, train/recovery/flight_recorder.py), as the launcher's last line did."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.train.hang_report import diagnose, group_dim, pending, pending_p2p, read_dumps
+from paratrain.train.recovery.hang_report import diagnose, group_dim, pending, pending_p2p, read_dumps
 
 
 def hang_report(run_dir: Path) -> dict:

@@ -28,9 +28,9 @@ def gpu_directives(node: NodeResources) -> list[str]:
 
 def preemption_lines(sig: str, srun: str) -> list[str]:
     """srun in the background; the trap passes the signal to the ranks (torchrun ignores it, so only the
-    trainers, train/preemption.py, act on it: checkpoint at the next step, write preempted.json, exit 0); then
+    trainers, train/recovery/preemption.py, act on it: checkpoint at the next step, write preempted.json, exit 0); then
     the job requeues itself and resumes from that checkpoint (--resume auto)."""
-    from paratrain.train.preemption import EXIT_PREEMPTED
+    from paratrain.train.recovery.preemption import EXIT_PREEMPTED
 
     return [
         f"# On SIG{sig} (from Slurm {PREEMPT_LEAD_S} s before the time limit, or `scancel --signal={sig} --batch JOBID`)",

@@ -13,7 +13,7 @@ or a test registered one: train/hooks.py, docs/hooks.md) it only calls `run`. An
 before or after it. Interceptors act process-wide: a collective deep inside an optimizer or an attention
 function knows no trainer. Collectives issued inside torch (DDP's bucket all-reduces, FSDP's all-gathers,
 DTensor's redistributions) do not pass here; they are reached through the trainer's after_parallelize hook, and
-PyTorch's flight recorder sees them at the process-group level (train/flight_recorder.py). tests/test_imports.py
+PyTorch's flight recorder sees them at the process-group level (train/recovery/flight_recorder.py). tests/test_imports.py
 fails on a torch.distributed collective called anywhere else, beyond its allow-list.
 """
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch
+from paratrain.train.data.indexed_sets import Batch
 
 
 @dataclass
@@ -62,13 +62,13 @@ class CustomModel:
         return self.tp_plan(model) if callable(self.tp_plan) else dict(self.tp_plan)
 
     def dataset(self, cfg):
-        from paratrain.train.torch_data import TorchData, is_torch_dataset
+        from paratrain.train.data.torch_data import TorchData, is_torch_dataset
 
         if is_torch_dataset(self.data):  # a torch Dataset / IterableDataset: read by a DataLoader, sharded by us
             return TorchData(self.data)
         if callable(self.data):
             return FunctionDataset(self.data)
-        from paratrain.train.data import make_dataset
+        from paratrain.train.data.indexed_sets import make_dataset
 
         if cfg.vocab_size is None:
             raise UserError(f"custom model {self.name} on token data: set vocab_size (--vocab-size)")

@@ -14,12 +14,12 @@ import math
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch, BatchSource, make_val_dataset, rank_slice
-from paratrain.train.data_loading import uses_documents
-from paratrain.train.doc_sources import is_document_spec
-from paratrain.train.doc_stream import real_tokens, stream_config
+from paratrain.train.data.doc_sources import is_document_spec
+from paratrain.train.data.doc_stream import real_tokens, stream_config
+from paratrain.train.data.indexed_sets import Batch, BatchSource, make_val_dataset, rank_slice
+from paratrain.train.data.source import uses_documents
+from paratrain.train.data.stream_loader import DocumentData
 from paratrain.train.step import autocast_context, batch_inputs, plain_loss, real_token_loss
-from paratrain.train.stream_loader import DocumentData
 
 
 class Validator:

@@ -94,10 +94,10 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
                 hang_dir: str | None = None) -> dict:
     """Run entry(*args) on nproc local ranks; returns {rank: return value}.
 
-    `hang_dir`: where the workers' flight recorders write (train/flight_recorder.py); on a failure the last
-    line names the rank that stalled or died, read from there (train/hang_report.py), and the CheckFailed raised
+    `hang_dir`: where the workers' flight recorders write (train/recovery/flight_recorder.py); on a failure the last
+    line names the rank that stalled or died, read from there (train/recovery/hang_report.py), and the CheckFailed raised
     carries that rank and the last completed step. A restart (max_restarts) is announced in one line
-    (train/restart_report.py); orphans of a dead rank and a rank stopped by SIGSTOP are killed
+    (train/recovery/restart_report.py); orphans of a dead rank and a rank stopped by SIGSTOP are killed
     (train/process_control.py).
 
     Already inside torchrun/srun (RANK and WORLD_SIZE set): run entry once, in this process.
@@ -116,8 +116,8 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from paratrain.train import restart_report
     from paratrain.train.process_control import LaunchWatch
+    from paratrain.train.recovery import restart_report
 
     store, sock, port = _loopback_store(timeout_s)
     _forkserver_context()
@@ -157,7 +157,7 @@ def run_workers(entry: Callable, args: tuple, nproc: int, max_restarts: int = 0,
 def _run_failure(exc, hang_dir: Path | None, stopped: set[int]) -> CheckFailed:
     """One line: the culprit first (who stalled or died, read from the flight recorders), then what the first
     failed rank saw; with the culprit's rank and the run's last completed step."""
-    from paratrain.train.hang_report import hang_verdict
+    from paratrain.train.recovery.hang_report import hang_verdict
 
     summary = _summarise_failure(exc)
     # a rank the launcher killed because it was stopped did not die: its peers' records say where it stalled
@@ -172,7 +172,7 @@ def _run_failure(exc, hang_dir: Path | None, stopped: set[int]) -> CheckFailed:
 
 
 def _summarise_failure(exc) -> str:
-    from paratrain.train.restart_report import exit_text
+    from paratrain.train.recovery.restart_report import exit_text
 
     rank, failure = exc.get_first_failure()
     message = failure.message

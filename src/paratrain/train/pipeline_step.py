@@ -25,7 +25,7 @@ from paratrain.parallel.options import PP_SCHEDULES
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pp.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.parallel.tied_weights import TiedGradSum, end_stage_groups, mark_copy, tied_table_name
-from paratrain.train.data import Batch
+from paratrain.train.data.indexed_sets import Batch
 from paratrain.train.optim import build_optimizer
 from paratrain.train.step import autocast_context, lm_loss
 from paratrain.train.step_runner import run_after_optimizer_step

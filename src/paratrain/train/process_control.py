@@ -107,7 +107,7 @@ class LaunchWatch:
                 os.waitpid(pid, 0)
 
     def kill_stopped_ranks(self) -> None:
-        from paratrain.train.hang_report import read_dumps
+        from paratrain.train.recovery.hang_report import read_dumps
 
         try:
             mtime = self.hang_dir.stat().st_mtime_ns if self.hang_dir is not None else None

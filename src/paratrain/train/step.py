@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.tied_weights import is_tied_copy
-from paratrain.train.data import Batch
+from paratrain.train.data.indexed_sets import Batch
 from paratrain.train.step_runner import run_after_optimizer_step
 
 # fp8: torchao's float8 linears do their own casts; everything around them runs as under bf16
@@ -20,7 +20,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.b
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over the real targets (IGNORE = -100 marks cross-document and padding positions: train/packing.py)."""
+    """Mean over the real targets (IGNORE = -100 marks cross-document and padding positions: train/data/packing.py)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

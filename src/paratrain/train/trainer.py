@@ -28,8 +28,7 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
-from paratrain.train import checkpoint as ckpt
-from paratrain.train.data_loading import make_batch_source, make_prefetcher, make_train_data
+from paratrain.train.data.source import make_batch_source, make_prefetcher, make_train_data
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
 from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
@@ -39,7 +38,8 @@ from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.readable_numbers import plural, readable_count
-from paratrain.train.run_failures import RunFailed
+from paratrain.train.recovery import checkpoint as ckpt
+from paratrain.train.recovery.run_failures import RunFailed
 from paratrain.train.runtime import Runtime
 from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
 from paratrain.train.step_record import LaunchedStep, PendingSteps, StepTiming
@@ -70,7 +70,7 @@ class Trainer:
         what PARATRAIN_PLUGINS loads. The trainer holds a child of it, `self.hooks`: attach to that to reach
         this trainer alone. `predicted_peak_gib`: the planner's peak per device (train's memory check), logged
         against the measured one at step 2. `data_shard`: (index, count), read that slice of each global batch
-        instead of this layout's data-parallel rank's (a replica of --heal-replicas, train/replica_heal.py)."""
+        instead of this layout's data-parallel rank's (a replica of --heal-replicas, train/recovery/replica_heal.py)."""
         from paratrain.parallel.checks import check_layout
 
         self.predicted_peak_gib = predicted_peak_gib
@@ -150,7 +150,7 @@ class Trainer:
         self.run_id: str | None = None  # set by maybe_resume(): whose checkpoints prune may remove
         self.stop_reason: str | None = None  # set by a hook to end fit() after this step (e.g. "preempted")
         if cfg.preempt_signal:
-            from paratrain.train.preemption import attach_preemption
+            from paratrain.train.recovery.preemption import attach_preemption
 
             attach_preemption(self, cfg.preempt_signal)
 

@@ -14,12 +14,12 @@ from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout, world_size_of
 from paratrain.parallel.tp.tp_technique import check_tp_divides
 from paratrain.train.capacity import check_fits_machine
-from paratrain.train.data_loading import make_train_data
+from paratrain.train.data.source import make_train_data
+from paratrain.train.data.stream_loader import DocumentData
 from paratrain.train.hf_run_checks import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type
-from paratrain.train.stream_loader import DocumentData
 
 log = logging.getLogger("paratrain")
 

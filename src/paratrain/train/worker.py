@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import CheckFailed, UserError
-from paratrain.train.flight_recorder import FlightRecorder, enable_torch_recorder
-from paratrain.train.preemption import watch_early
-from paratrain.train.run_failures import CollectiveFailure, describe_collective_failure
+from paratrain.train.recovery.flight_recorder import FlightRecorder, enable_torch_recorder
+from paratrain.train.recovery.preemption import watch_early
+from paratrain.train.recovery.run_failures import CollectiveFailure, describe_collective_failure
 
 log = logging.getLogger("paratrain")
 

@@ -148,7 +148,7 @@ def file_sources(files: list[Path], text_field: str = DEFAULT_FIELD) -> list[Sou
 
 def held_out(seed: int, index: int, fraction: float) -> bool:
     """Whether document `index` of a source belongs to the --val-fraction held-out part (a pure hash)."""
-    from paratrain.train.counter_hash import uniform_hash
+    from paratrain.train.data.counter_hash import uniform_hash
 
     return bool(uniform_hash(seed, np.array([index]), HELD_OUT_STREAM)[0] < fraction)
 

@@ -20,7 +20,7 @@ from paratrain.parallel.collective_hooks import collective
 
 log = logging.getLogger("paratrain")
 
-# set by the supervisor (train/replica_launch.py) in each replica's environment
+# set by the supervisor (train/recovery/replica_launch.py) in each replica's environment
 INDEX_ENV = "PARATRAIN_REPLICA_INDEX"
 COUNT_ENV = "PARATRAIN_REPLICA_COUNT"
 ATTEMPT_ENV = "PARATRAIN_REPLICA_ATTEMPT"
@@ -176,7 +176,7 @@ def make_manager(device_type: str, index: int, lighthouse: str, timeout_s: float
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-    from paratrain.train.replica_transport import peer_checkpoint_transport
+    from paratrain.train.recovery.replica_transport import peer_checkpoint_transport
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # the group's store listens on loopback only (c10d stores have no authentication)

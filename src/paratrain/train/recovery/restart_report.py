@@ -46,7 +46,7 @@ class RestartReporter(logging.Handler):
             self.clear_records()
 
     def describe_failure(self) -> str:
-        from paratrain.train.hang_report import hang_line
+        from paratrain.train.recovery.hang_report import hang_line
 
         rank, code = self.failed
         # one node: the local rank is the rank

@@ -1,4 +1,4 @@
-"""How a healing replica (train/replica_heal.py) receives a live peer's state: torchft's HTTP checkpoint transport,
+"""How a healing replica (train/recovery/replica_heal.py) receives a live peer's state: torchft's HTTP checkpoint transport,
 the Manager's default, with two changes. Its server's access log goes to torchft's logger, not to the user's
 terminal (http.server writes `"GET /checkpoint/6/full HTTP/1.1" 200` to stderr for every request). And what
 arrives is unpickled with weights_only=True: torchft 0.2 loads it with weights_only=False, while its server

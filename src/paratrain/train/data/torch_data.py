@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch, SlicedSource
+from paratrain.train.data.indexed_sets import Batch, SlicedSource
 
 
 def is_torch_dataset(data) -> bool:

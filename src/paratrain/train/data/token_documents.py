@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from paratrain.errors import UserError
-from paratrain.train.doc_sources import SourceSpec, held_out
+from paratrain.train.data.doc_sources import SourceSpec, held_out
 
 
 class TokenDocuments:
     def __init__(self, spec: SourceSpec, tokenizer_file: Path | None = None, seed: int = 0, part: str = "all",
                  fraction: float = 0.0):
-        from paratrain.train.prepare_tokens import read_sidecar, sidecar_path
+        from paratrain.train.data.prepare_tokens import read_sidecar, sidecar_path
 
         self.spec, self.seed, self.part, self.fraction = spec, seed, part, fraction
         self.files = []

@@ -1,6 +1,6 @@
 """`paratrain data tokenizer`: a byte-level BPE tokenizer.json trained on your own documents (nothing is
 downloaded), read as `train` reads them: each JSON Lines / Parquet / Arrow record's --text-field, each other file
-whole (train/doc_sources.py). Byte-level: every byte has a token, so any text encodes; `<|endoftext|>` is its first token, which
+whole (train/data/doc_sources.py). Byte-level: every byte has a token, so any text encodes; `<|endoftext|>` is its first token, which
 `data prepare` puts after each document. For small experiments on a corpus of your own; for a published
 model's vocabulary, pass that model's tokenizer.json to `data prepare` instead.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError
 from paratrain.interop.optional import require
-from paratrain.train.prepare_tokens import input_files
+from paratrain.train.data.prepare_tokens import input_files
 
 EOT = "<|endoftext|>"
 BYTES = 256
@@ -32,7 +32,7 @@ def train_tokenizer(files: list[str | Path], out: str | Path, vocab_size: int, t
 
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from paratrain.train.doc_sources import DocumentSource, file_sources, first_line
+    from paratrain.train.data.doc_sources import DocumentSource, file_sources, first_line
 
     sources = file_sources(paths, text_field)
     counts = [0] * len(sources)

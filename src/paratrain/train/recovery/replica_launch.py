@@ -13,14 +13,14 @@ from pathlib import Path
 from paratrain.errors import CheckFailed, UserError
 from paratrain.parallel.layout import DEGREE_DIMS
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.train.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV, LIGHTHOUSE_ENV
+from paratrain.train.recovery.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV, LIGHTHOUSE_ENV
 
 log = logging.getLogger("paratrain")
 
-EXIT_USER_ERROR, EXIT_NO_PEER = 2, 3  # train/replica_worker.py
+EXIT_USER_ERROR, EXIT_NO_PEER = 2, 3  # train/recovery/replica_worker.py
 # replicas fork from one server that imported these once: a replacement is up in about a second, not after
 # the several-second import of a fresh interpreter (torchft is left out: it starts threads)
-PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.replica_worker")
+PRELOAD = ("torch", "torch.distributed", "paratrain.train.trainer", "paratrain.train.recovery.replica_worker")
 # a replica absent this long is dropped from the quorum; one that has not asked for this step's quorum within
 # JOIN_MS is left out of it (so a replacement joins at the next step boundary after it is up)
 HEARTBEAT_TIMEOUT_MS = 1500
@@ -49,7 +49,7 @@ def check_heal_run(cfg, world: int, script) -> None:
         raise UserError("--heal-replicas needs --nproc 2 or more: the replicas that can stand in for each other")
     if script:
         raise UserError("--heal-replicas trains the presets (--model), not a --script model")
-    from paratrain.train.data_loading import uses_documents
+    from paratrain.train.data.source import uses_documents
 
     if uses_documents(cfg):
         raise UserError("--heal-replicas reads synthetic data or a token file: a document stream's position "
@@ -122,7 +122,7 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
 
             if torch.cuda.is_available():
                 env["CUDA_VISIBLE_DEVICES"] = str(index % torch.cuda.device_count())
-        from paratrain.train.replica_worker import run_replica_process
+        from paratrain.train.recovery.replica_worker import run_replica_process
 
         proc = ctx.Process(target=run_replica_process, args=(env, str(cfg_path), str(out), str(summary)))
         proc.start()
@@ -178,7 +178,7 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
 
 def heals_of(state_dir: Path) -> list[dict]:
     """Every replacement that copied a live replica's state in this run, in step order: {"replica", "attempt",
-    "step", "from_replica"} (train/replica_worker.py writes one file each, even for a process lost later)."""
+    "step", "from_replica"} (train/recovery/replica_worker.py writes one file each, even for a process lost later)."""
     heals = [json.loads(p.read_text()) for p in state_dir.glob("joined-*.json")]
     return sorted(heals, key=lambda h: (h["step"], h["replica"], h["attempt"]))
 

@@ -1,4 +1,4 @@
-"""This rank's micro-batches from the global document stream (train/doc_stream.py), built in worker processes.
+"""This rank's micro-batches from the global document stream (train/data/doc_stream.py), built in worker processes.
 
 --data-workers N, the loader's worker processes per rank (a torch DataLoader's, so the tokenizer never holds the
 training process's GIL):
@@ -24,8 +24,14 @@ import numpy as np
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.data import Batch, SlicedSource
-from paratrain.train.doc_stream import DocumentReader, DocumentStream, StreamConfig, StreamState, real_tokens
+from paratrain.train.data.doc_stream import (
+    DocumentReader,
+    DocumentStream,
+    StreamConfig,
+    StreamState,
+    real_tokens,
+)
+from paratrain.train.data.indexed_sets import Batch, SlicedSource
 
 
 class DocumentData:
@@ -37,7 +43,7 @@ class DocumentData:
 
     def check(self) -> None:
         """Open the tokenizer and every source's first document: a bad file or field fails before any process."""
-        from paratrain.train.doc_stream import open_source, open_tokenizer
+        from paratrain.train.data.doc_stream import open_source, open_tokenizer
 
         _, _, vocab = open_tokenizer(self.cfg.tokenizer)
         if vocab > self.vocab_size:
@@ -146,7 +152,7 @@ class StreamBatchSource(SlicedSource):
 
 
 class StreamPrefetcher:
-    """The Prefetcher (train/data.py) of a StreamBatchSource: next_step() -> (micro-batches, seconds waited)."""
+    """The Prefetcher (train/data/indexed_sets.py) of a StreamBatchSource: next_step() -> (micro-batches, seconds waited)."""
 
     def __init__(self, source: StreamBatchSource, depth: int = 2, pin: bool = False, timeout_s: float | None = None,
                  before_batch=None):
@@ -195,7 +201,7 @@ class StreamPrefetcher:
                 return
 
     def _stalled(self):
-        from paratrain.train.run_failures import RunFailed
+        from paratrain.train.recovery.run_failures import RunFailed
 
         return RunFailed(f"the data loader produced no batch for step {self.position + 1} within "
                          f"{self.timeout_s:g} s (--timeout-s); it stalled reading {self.source.describe()}")

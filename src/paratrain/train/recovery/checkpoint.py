@@ -156,7 +156,7 @@ def _count(x) -> bool:
 
 
 def is_stream_state(state) -> bool:
-    """The document stream's position (train/doc_stream.py StreamState) as JSON: integers only, nothing else."""
+    """The document stream's position (train/data/doc_stream.py StreamState) as JSON: integers only, nothing else."""
     if not isinstance(state, dict) or set(state) != {"draws", "positions", "carry", "tokens_drawn"}:
         return False
     positions, carry, drawn = state["positions"], state["carry"], state["tokens_drawn"]
@@ -272,7 +272,7 @@ def _step_dirs(root: Path) -> list[tuple[Path, int]]:
 
 def read_manifest(path: Path) -> dict:
     """The manifest, checked field by field (it comes from disk: a crafted one must not get further)."""
-    from paratrain.train.safe_dcp import confined_name
+    from paratrain.train.recovery.safe_dcp import confined_name
 
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -384,7 +384,7 @@ def load(path: Path, state: CheckpointState, fingerprint: str, model: dict | Non
 
     `model` (the current model args) only makes the error for a different model config name the changes.
     """
-    from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     manifest = read_manifest(path)
     if manifest.get("model_fingerprint") != fingerprint:
@@ -447,7 +447,7 @@ def load_params(path: str | Path) -> dict[str, torch.Tensor]:
     problem = check_complete(path)
     if problem:
         raise UserError(f"cannot read checkpoint {path}: {problem}")
-    from paratrain.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     try:
         args = ModelArgs(**read_manifest(path)["model"])

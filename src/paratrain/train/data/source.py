@@ -1,15 +1,15 @@
-"""Which data a run reads, and how: the one place that picks between the indexed data sets of train/data.py
-(synthetic, token files: any sample by index) and the document stream (train/stream_loader.py)."""
+"""Which data a run reads, and how: the one place that picks between the indexed data sets of train/data/indexed_sets.py
+(synthetic, token files: any sample by index) and the document stream (train/data/stream_loader.py)."""
 
 from __future__ import annotations
 
 from paratrain.errors import UserError
 from paratrain.interop.text_fields import fields_for
-from paratrain.train.data import BatchSource, Prefetcher, make_dataset
-from paratrain.train.doc_sources import is_document_spec, parse_sources, refuse_mixture_mistakes
-from paratrain.train.doc_stream import stream_config
-from paratrain.train.stream_loader import DocumentData, StreamBatchSource, StreamPrefetcher
-from paratrain.train.torch_data import TorchBatchSource, TorchData, TorchPrefetcher
+from paratrain.train.data.doc_sources import is_document_spec, parse_sources, refuse_mixture_mistakes
+from paratrain.train.data.doc_stream import stream_config
+from paratrain.train.data.indexed_sets import BatchSource, Prefetcher, make_dataset
+from paratrain.train.data.stream_loader import DocumentData, StreamBatchSource, StreamPrefetcher
+from paratrain.train.data.torch_data import TorchBatchSource, TorchData, TorchPrefetcher
 
 
 def uses_documents(cfg) -> bool:

@@ -1,4 +1,4 @@
-"""Name the rank that hung a run: read every rank's flight-recorder file (train/flight_recorder.py) and find who
+"""Name the rank that hung a run: read every rank's flight-recorder file (train/recovery/flight_recorder.py) and find who
 never entered the collective the others wait in.
 
 A rank that waits in a collective is not the culprit, even when others wait for it: the culprit is a member of

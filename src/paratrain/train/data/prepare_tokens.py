@@ -131,8 +131,8 @@ def input_files(files: list[str | Path], command: str) -> list[Path]:
 
 def documents_of(spec, chunk_chars: int):
     """A file's documents, each as text pieces: every record of a JSON Lines / Parquet / Arrow file, read as
-    `train` reads it (train/doc_sources.py), or the whole of any other file (in chunks)."""
-    from paratrain.train.doc_sources import DocumentSource
+    `train` reads it (train/data/doc_sources.py), or the whole of any other file (in chunks)."""
+    from paratrain.train.data.doc_sources import DocumentSource
 
     if spec.fmt != "text":
         for text in DocumentSource(spec).texts():
@@ -146,7 +146,7 @@ def prepare_tokens(tokenizer: str | Path, files: list[str | Path], out: str | Pa
     """Tokenize `files` into `out` (flat uint16/uint32) and write the sidecar; returns the sidecar dict. A JSON
     Lines / Parquet / Arrow file holds one document per record (its `text_field`: NAME or SOURCE=NAME,...);
     any other file is one."""
-    from paratrain.train.doc_sources import file_sources
+    from paratrain.train.data.doc_sources import file_sources
 
     tok_file, tok = load_tokenizer(tokenizer)
     paths = input_files(files, "data prepare")

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paratrain.errors import UserError
-from paratrain.train.doc_sources import DocumentSource, SourceSpec, parse_sources
-from paratrain.train.packing import IGNORE, Packer, rows_to_batch
-from paratrain.train.token_documents import TokenDocuments
+from paratrain.train.data.doc_sources import DocumentSource, SourceSpec, parse_sources
+from paratrain.train.data.packing import IGNORE, Packer, rows_to_batch
+from paratrain.train.data.token_documents import TokenDocuments
 
 MIX_STREAM = 515151  # the hash stream that picks each draw's source
 LOOKAHEAD = 64  # documents read and tokenized at once (one encode_batch call); never part of the state
@@ -72,7 +72,7 @@ def stream_config(spec: str, tokenizer: str | None, seq_len: int, seed: int, pac
 def open_source(spec: SourceSpec, cfg: StreamConfig, part: str = "all"):
     """A source's reader: documents as text (DocumentSource), or already tokenized (a token .bin)."""
     if spec.fmt == "tokens":
-        from paratrain.train.prepare_tokens import tokenizer_file
+        from paratrain.train.data.prepare_tokens import tokenizer_file
 
         return TokenDocuments(spec, tokenizer_file(cfg.tokenizer), cfg.seed, part, cfg.val_fraction)
     return DocumentSource(spec, cfg.seed, part, cfg.val_fraction)
@@ -80,7 +80,7 @@ def open_source(spec: SourceSpec, cfg: StreamConfig, part: str = "all"):
 
 def open_tokenizer(path: str):
     """(tokenizer, its end-of-text id, its vocabulary size)."""
-    from paratrain.train.prepare_tokens import load_tokenizer, pick_eot
+    from paratrain.train.data.prepare_tokens import load_tokenizer, pick_eot
 
     _, tok = load_tokenizer(path)
     eot = pick_eot(tok, None)
@@ -104,7 +104,7 @@ class DocumentReader:
         self.draws = state.draws
 
     def source_of(self, draw: int) -> int:
-        from paratrain.train.counter_hash import uniform_hash
+        from paratrain.train.data.counter_hash import uniform_hash
 
         if len(self.cdf) == 1:
             return 0

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from paratrain.errors import UserError
-from paratrain.train.counter_hash import uniform_hash
+from paratrain.train.data.counter_hash import uniform_hash
 
 
 @dataclass
@@ -109,7 +109,7 @@ class TokenFile:
             raise UserError(f"data file not found: {path}")
         self.meta = None
         if p.suffix == ".bin":
-            from paratrain.train.prepare_tokens import read_sidecar, sidecar_path
+            from paratrain.train.data.prepare_tokens import read_sidecar, sidecar_path
 
             self.meta = read_sidecar(p)
             if self.meta is not None and self.meta["vocab_size"] > vocab_size:
@@ -318,7 +318,7 @@ class Prefetcher:
         try:
             step, micro, exc = self.queue.get(timeout=self.timeout_s)
         except queue.Empty:
-            from paratrain.train.run_failures import RunFailed
+            from paratrain.train.recovery.run_failures import RunFailed
 
             raise RunFailed(f"the data loader produced no batch for step {self.position + 1} within "
                             f"{self.timeout_s:g} s (--timeout-s); it stalled reading {self.source.describe()}") from None

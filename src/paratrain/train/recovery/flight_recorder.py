@@ -9,7 +9,7 @@ in that group, its sizes and the time it was issued. Ours adds what torch cannot
 
 A rank writes `rank-N.json` when it has made no progress for `stall_after_s` (a watchdog thread: a rank stuck
 in a hook, a sleep or a collective still writes) and again, final, when its collective timed out
-(train/worker.py). train/hang_report.py reads the files; `paratrain doctor --hang RUNDIR` and the launcher's
+(train/worker.py). train/recovery/hang_report.py reads the files; `paratrain doctor --hang RUNDIR` and the launcher's
 last line are built from it.
 """
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from paratrain.parallel.collective_hooks import add_interceptor, current_step
-from paratrain.train import p2p_trace
+from paratrain.train.recovery import p2p_trace
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 _FAILED_ITSELF = ("timeout", "lost_peer")  # a record a rank writes about its own failure, just before it exits

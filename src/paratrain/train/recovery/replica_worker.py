@@ -1,6 +1,6 @@
-"""One replica of train --heal-replicas: a process of its own, forked by train/replica_launch.py (or
-python -m paratrain.train.replica_worker CONFIG RUNDIR SUMMARY). It trains a whole copy of the model on its
-slice of each global batch, with its gradients averaged over the replicas alive (train/replica_heal.py)."""
+"""One replica of train --heal-replicas: a process of its own, forked by train/recovery/replica_launch.py (or
+python -m paratrain.train.recovery.replica_worker CONFIG RUNDIR SUMMARY). It trains a whole copy of the model on its
+slice of each global batch, with its gradients averaged over the replicas alive (train/recovery/replica_heal.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def wait_for_peers(barrier_dir: Path, index: int, count: int, timeout_s: float) 
 
 def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     from paratrain.config import TrainConfig
-    from paratrain.train.replica_heal import (
+    from paratrain.train.recovery.replica_heal import (
         LIGHTHOUSE_ENV,
         NoPeerToJoin,
         ReplicaHealer,
@@ -90,7 +90,7 @@ def run_replica_process(env: dict[str, str], *argv: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from paratrain.train.replica_heal import INDEX_ENV
+    from paratrain.train.recovery.replica_heal import INDEX_ENV
 
     index = int(os.environ.get(INDEX_ENV, "0"))
     logging.basicConfig(level=logging.INFO if index == 0 else logging.WARNING, format="paratrain: %(message)s",
