@@ -20,7 +20,9 @@ import argparse
 import gc
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +113,13 @@ def flash_sdpa_check(model_args, seq_len: int, dtype: str, device: str) -> str:
 
 
 # -- paratrain ----------------------------------------------------------------------------------------------
+def step_times(metrics: Path) -> list[float]:
+    """Each step's seconds, in step order, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = sorted((r["step"], r["step_time_s"]) for r in records if "step_time_s" in r and "event" not in r)
+    return [seconds for _step, seconds in steps]
+
+
 def run_paratrain(args, device: str, micro_batch: int, dtype: str) -> dict:
     from paratrain.config import TrainConfig
     from paratrain.train.runtime import init_runtime, shutdown
@@ -120,13 +129,17 @@ def run_paratrain(args, device: str, micro_batch: int, dtype: str) -> dict:
     cfg = TrainConfig(model=args.model, strategy="single", nproc=1, device=device, dtype=dtype,
                       compile=args.compile, cuda_graphs=args.cuda_graphs, loss_chunks=args.loss_chunks, ac=args.ac,
                       seq_len=args.seq_len, global_batch=micro_batch, steps=args.warmup + args.steps,
-                      warmup_steps=args.warmup, lr=3e-4, metrics=False, resume="never", ckpt_every=0, timeout_s=600)
+                      warmup_steps=args.warmup, lr=3e-4, metrics=True, resume="never", ckpt_every=0, timeout_s=600)
     validate_run(cfg, 1)
     rt = init_runtime(device, cfg.timeout_s)
     reset_memory(device)
-    trainer = Trainer(cfg, rt, run_dir=None, quiet=True)
-    times: list[float] = []
-    summary = trainer.fit(on_step=lambda _trainer, record: times.append(record["step_time_s"]))
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(cfg, rt, run_dir=Path(run_dir), quiet=True)
+        # the step users run: no on_step callback, which would make fit() read each step's loss on the host
+        # before launching the next (train/step_record.py); the per-step times come from metrics.jsonl, written
+        # from CUDA events that tile the stream's timeline
+        summary = trainer.fit()
+        times = step_times(Path(run_dir) / "metrics.jsonl")
     measured = times[args.warmup:]
     step_time = sum(measured) / len(measured)
     result = {"step_time_s": step_time, "tokens_per_s": trainer.tokens_per_step / step_time,

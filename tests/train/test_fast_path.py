@@ -213,3 +213,22 @@ def test_mfu_benchmark_smoke_runs_and_refuses_without_gpu(tmp_path):
         skipped = run("--json")  # a GPU benchmark on a machine without one: says so, measures nothing, exit 0
         assert skipped.returncode == 0 and json.loads(skipped.stdout) == {"skipped": "no CUDA GPU", "runs": []}
         assert "no CUDA GPU" in skipped.stderr and "--smoke" in skipped.stderr
+
+
+def test_mfu_benchmark_times_the_step_users_run(monkeypatch):
+    # issue 47: mfu.py passed on_step to fit(), which reads each step's values on the host before the next launch,
+    # so its paratrain figures timed the old synchronous step; it must call fit() as `paratrain train` does
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import mfu
+
+    calls = []
+    fit = Trainer.fit
+
+    def spy(self, *args, **kwargs):
+        calls.append((args, kwargs))
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", spy)
+    result = mfu.run_paratrain(mfu.parse_args(["--smoke"]), "cpu", 4, "fp32")
+    assert calls == [((), {})]
+    assert result["step_time_s"] > 0 and result["tokens_per_s"] > 0
