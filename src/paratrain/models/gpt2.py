@@ -5,6 +5,7 @@ ModuleDict `layers` keyed "0".."n-1"; attention is `attention.wq/wk/wv/wo` and g
 `Attention.attn_fn(q, k, v)` (the context-parallel hook); heads come from tensor shapes (tensor parallel);
 the token *and* position tables live in one `tok_embeddings` module, so a pipeline stage that drops the
 embedding drops both. The MLP is `feed_forward.w1` (up) and `feed_forward.w2` (down), with no w3.
+Build-time speed options (models/speed.py ModelSpeed) change how it computes, never its parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.models.fast_paths import StreamLayerNorm, bf16_stream, leave_stream, project_qkv
 from paratrain.models.llama import ModelArgs, causal_sdpa
+from paratrain.models.speed import ModelSpeed
 
 
 class GPT2Embeddings(nn.Module):
@@ -29,9 +32,10 @@ class GPT2Embeddings(nn.Module):
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, fused_qkv: bool = False):
         super().__init__()
         self.head_dim = args.head_dim
+        self.fused_qkv = fused_qkv
         inner = args.n_heads * self.head_dim
         self.wq = nn.Linear(args.dim, inner)
         self.wk = nn.Linear(args.dim, inner)
@@ -46,9 +50,10 @@ class GPT2Attention(nn.Module):
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its local heads
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.fused_qkv)
+        q = q.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         out = self.attn_fn(q, k, v) if doc_ids is None else self.attn_fn(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -63,12 +68,16 @@ class GPT2MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
+def layer_norm(args: ModelArgs, speed: ModelSpeed) -> nn.LayerNorm:
+    return (StreamLayerNorm if speed.bf16_residual else nn.LayerNorm)(args.dim, eps=args.norm_eps)
+
+
 class GPT2Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, speed: ModelSpeed = ModelSpeed()):
         super().__init__()
-        self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.attention = GPT2Attention(args)
-        self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = layer_norm(args, speed)
+        self.attention = GPT2Attention(args, speed.fused_qkv)
+        self.ffn_norm = layer_norm(args, speed)
         self.feed_forward = GPT2MLP(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,12 +88,12 @@ class GPT2Block(nn.Module):
 class GPT2(nn.Module):
     """Decoder-only LM. Pipeline stages set tok_embeddings / norm / output to None where absent."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, speed: ModelSpeed = ModelSpeed()):
         super().__init__()
-        self.args = args
+        self.args, self.speed = args, speed
         self.tok_embeddings: nn.Module | None = GPT2Embeddings(args)
-        self.layers = nn.ModuleDict({str(i): GPT2Block(args) for i in range(args.n_layers)})
-        self.norm: nn.Module | None = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.layers = nn.ModuleDict({str(i): GPT2Block(args, speed) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = layer_norm(args, speed)
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.tokens.weight
@@ -118,7 +127,11 @@ class GPT2(nn.Module):
             h = self.tok_embeddings(tokens, positions)
         else:
             h = tokens
+        entry_dtype, h = h.dtype, bf16_stream(h, self.speed)
         for layer in self.layers.values():
             h = layer(h, doc_ids=doc_ids)
-        h = self.norm(h) if self.norm is not None else h
+        if self.norm is not None:
+            h = self.norm(h)
+        elif self.output is None:
+            h = leave_stream(h, entry_dtype, self.speed)
         return self.output(h) if self.output is not None else h

@@ -3,7 +3,8 @@
 No parallel code lives here: strategies act on the module tree from outside. Three conventions make
 that possible: layers sit in a ModuleDict keyed by their index (pipeline stages delete the others but
 keep the names), head counts are derived from tensor shapes (TP shards them), and attention goes
-through `Attention.attn_fn`, the hook context parallelism swaps.
+through `Attention.attn_fn`, the hook context parallelism swaps. Build-time speed options (models/speed.py
+ModelSpeed) change how it computes, never its parameters.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.args import ModelArgs
+from paratrain.models.fast_paths import bf16_stream, leave_stream, project_qkv, stream_rms_norm
+from paratrain.models.speed import ModelSpeed
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -64,10 +67,25 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class StreamRMSNorm(RMSNorm):
+    """RMSNorm (same parameter) that keeps a bf16 stream in bf16 (--bf16-residual): torch's kernel, which keeps the
+    statistics in fp32, instead of fp32 copies of the input saved for the backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        return stream_rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(args: ModelArgs, speed: ModelSpeed) -> RMSNorm:
+    return (StreamRMSNorm if speed.bf16_residual else RMSNorm)(args.dim, args.norm_eps)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, fused_qkv: bool = False):
         super().__init__()
         self.head_dim = args.head_dim
+        self.fused_qkv = fused_qkv
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -78,9 +96,10 @@ class Attention(nn.Module):
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its local heads.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.fused_qkv)
+        q = q.view(bsz, seqlen, -1, self.head_dim)
+        k = k.view(bsz, seqlen, -1, self.head_dim)
+        v = v.view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         groups = q.shape[2] // k.shape[2]
         if groups > 1:
@@ -104,11 +123,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, speed: ModelSpeed = ModelSpeed()):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = rms_norm(args, speed)
+        self.attention = Attention(args, speed.fused_qkv)
+        self.ffn_norm = rms_norm(args, speed)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -120,12 +139,12 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only LM. Pipeline stages set tok_embeddings / norm / output to None where absent."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, speed: ModelSpeed = ModelSpeed()):
         super().__init__()
-        self.args = args
+        self.args, self.speed = args, speed
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm: nn.Module | None = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, speed) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = rms_norm(args, speed)
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def init_weights(self, seed: int) -> None:
@@ -152,7 +171,11 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_tables(self.args.head_dim, positions, self.args.rope_theta)
+        entry_dtype, h = h.dtype, bf16_stream(h, self.speed)
         for layer in self.layers.values():
             h = layer(h, cos, sin, doc_ids=doc_ids)
-        h = self.norm(h) if self.norm is not None else h
+        if self.norm is not None:
+            h = self.norm(h)
+        elif self.output is None:
+            h = leave_stream(h, entry_dtype, self.speed)
         return self.output(h) if self.output is not None else h

@@ -19,6 +19,7 @@ from torch import nn
 from paratrain.models.args import ModelArgs
 from paratrain.models.llama import FeedForward, Transformer
 from paratrain.models.moe_permute import expert_counts, inverse_permutation, permute, sorted_copies
+from paratrain.models.speed import ModelSpeed
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
@@ -218,8 +219,8 @@ class MoE(nn.Module):
 class MoETransformer(Transformer):
     """The Llama decoder with MoE feed-forwards after the first n_dense_layers blocks (same names otherwise)."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
+    def __init__(self, args: ModelArgs, speed: ModelSpeed = ModelSpeed()):
+        super().__init__(args, speed)
         for index, block in self.layers.items():
             if args.is_moe_layer(int(index)):
                 block.feed_forward = MoE(args)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from paratrain.models.llama import Transformer
+    from paratrain.models.speed import ModelSpeed
 
 # torch (and the model code) is imported where a model is built: the planner reads shapes and counts from here
 # and answers from its trace cache without importing torch
@@ -108,23 +109,27 @@ def model_args_for(cfg) -> ModelArgs:
     return args
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
-    """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning)."""
+def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = 0,
+                speed: ModelSpeed | None = None) -> Transformer:
+    """Build on `device`; on "meta" nothing is allocated and no init runs (for shapes and planning). `speed`: how
+    the model computes (models/speed.py; None: as it always did), the same parameters either way."""
     import torch
 
     from paratrain.models.llama import Transformer
+    from paratrain.models.speed import ModelSpeed
 
+    speed = speed or ModelSpeed()
     with torch.device(device):
         if args.family == "gpt2":
             from paratrain.models.gpt2 import GPT2
 
-            model = GPT2(args)
+            model = GPT2(args, speed)
         elif args.moe:
             from paratrain.models.moe import MoETransformer
 
-            model = MoETransformer(args)
+            model = MoETransformer(args, speed)
         else:
-            model = Transformer(args)
+            model = Transformer(args, speed)
     if str(device) != "meta" and seed is not None:
         model.init_weights(seed)
     return model

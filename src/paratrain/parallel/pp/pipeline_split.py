@@ -119,6 +119,8 @@ def carve_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
     """
     with torch.device("meta"):
         part = type(model)(model.args)
+    if hasattr(model, "speed"):  # the model's build-time options (a bf16 residual stream) apply to each stage
+        part.speed = model.speed
     part.tok_embeddings = model.tok_embeddings if spec.first else None
     part.layers = nn.ModuleDict({name: model.layers[name] for name in spec.layers})
     part.norm = model.norm if spec.last else None

@@ -1,0 +1,54 @@
+"""What models/speed.py's options swap into a model: the bf16 residual stream's entry and exit and its norms, and
+the fused Q/K/V projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.speed import ModelSpeed
+
+
+def bf16_stream(h: torch.Tensor, speed: ModelSpeed) -> torch.Tensor:
+    """h as the blocks carry it: cast to bf16 when the option is on and bf16 autocast runs, else unchanged."""
+    device = h.device.type
+    if speed.bf16_residual and torch.is_autocast_enabled(device) and \
+            torch.get_autocast_dtype(device) == torch.bfloat16:
+        return h.to(torch.bfloat16)
+    return h
+
+
+def leave_stream(h: torch.Tensor, entry_dtype: torch.dtype, speed: ModelSpeed) -> torch.Tensor:
+    """A pipeline stage's hidden states as it hands them on: in the dtype they came in (its peers' message)."""
+    return h.to(entry_dtype) if speed.bf16_residual else h
+
+
+class StreamLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters) that keeps a bf16 stream in bf16. CUDA autocast would run it in fp32 on an
+    fp32 copy of its input (saved for the backward); here the kernel reads bf16 and accumulates in fp32 itself.
+    The affine parameters are cast to the input's dtype, as the CUDA kernel requires and autocast does to
+    every matmul weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+def stream_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a bf16 stream in torch's kernel (fp32 statistics inside; fused on CUDA), bf16 out."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
+def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear,
+                fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v = wq(x), wk(x), wv(x); fused: one F.linear over the three weights (and biases) concatenated, its
+    output split back. Projections swapped for another linear (FP8's) run as their own modules."""
+    if not fused or not all(type(m) is nn.Linear for m in (wq, wk, wv)):
+        return wq(x), wk(x), wv(x)
+    weight = torch.cat((wq.weight, wk.weight, wv.weight))
+    bias = None if wq.bias is None else torch.cat((wq.bias, wk.bias, wv.bias))
+    return F.linear(x, weight, bias).split((wq.out_features, wk.out_features, wv.out_features), dim=-1)
