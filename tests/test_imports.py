@@ -15,7 +15,7 @@ import source_rules
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
 LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config"}, {"train"}, {"plan"}, {"calibrate"},
-          {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "env_report", "api", "__init__"}]
+          {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "cli_options", "env_report", "api", "__init__"}]
 
 
 def module_files() -> dict[str, Path]:

@@ -7,8 +7,6 @@ Bad input: one line on stderr, exit 2. A failed check: exit 1.
 from __future__ import annotations
 
 import errno
-import functools
-import inspect
 import json
 import logging
 import math
@@ -21,10 +19,9 @@ from typing import Optional
 
 import typer
 
+from paratrain.cli_options import OptionSpec, run_options, shared_run_options, with_options
 from paratrain.errors import CheckFailed, UserError
 from paratrain.parallel.dims import all_dims
-from paratrain.parallel.options import AC_MODES, CP_IMPLS, PP_SCHEDULES, one_of
-from paratrain.parallel.strategies import STRATEGY_TABLE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make the right parallel strategy easy, provable and fast.")
@@ -47,118 +44,18 @@ def _finite(value):
     return value
 
 
-# -- train options shared by train / verify / doctor / launch ------------------------------------------------
-def _opt(default, *names, help: str):  # noqa: A002 - mirrors typer's keyword
-    return typer.Option(default, *names, help=help, show_default=default is not None)
+# -- options, each declared once (cli_options.py): the run options come from the config's fields -------------------
+RUN = run_options()  # by field name: every TrainConfig field that is a flag
+CONFIG = OptionSpec("config", Optional[Path], "TOML run config (default: the embedded tiny-cpu)")
+AS_JSON = OptionSpec("as_json", bool, "print the result as one JSON document on stdout", default=False,
+                     flags=("--json",))
+HTML = OptionSpec("html", Optional[Path], "write a self-contained HTML report")
+MEASURED_STEPS = RUN["steps"].noting("measured, after --warmup").but(default=10)
+WARMUP = OptionSpec("warmup", int, "unmeasured steps first: setup, caches")
+NODES = OptionSpec("nodes", Optional[int], "machines")
+MIG = OptionSpec("mig", Optional[str], "each device is this MIG slice of the GPU, e.g. 3g.40gb; docs/planner.md")
 
-
-TRAIN_OPTIONS: list[tuple[str, object, object]] = [
-    ("config", Optional[Path], _opt(None, "--config", help="TOML run config (default: the embedded tiny-cpu)")),
-    ("model", Optional[str], _opt(None, "--model", help="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, llama3-8b, llama2-70b; "
-                                                    "or hf:PATH, a transformers model directory or config.json")),
-    ("strategy", Optional[str], _opt(None, "--strategy", help=", ".join((*STRATEGY_TABLE, "auto")))),
-    ("nproc", Optional[int], _opt(None, "--nproc", help="processes (devices) on this machine")),
-    ("device", Optional[str], _opt(None, "--device", help="auto | cpu | cuda")),
-    ("steps", Optional[int], _opt(None, "--steps", help="optimizer steps")),
-    ("global_batch", Optional[int], _opt(None, "--global-batch", help="sequences per optimizer step, all ranks")),
-    ("micro_batch", Optional[int], _opt(None, "--micro-batch", help="sequences per forward pass per rank")),
-    ("seq_len", Optional[int], _opt(None, "--seq-len", help="tokens per sequence")),
-    ("dtype", Optional[str], _opt(None, "--dtype", help="fp32 | bf16 | fp16 | fp8 (CUDA, compute capability 8.9+)")),
-    ("tf32", Optional[bool], _opt(None, "--tf32/--no-tf32", help="fp32 on CUDA: TF32 matmuls (default on)")),
-    ("cuda_graphs", Optional[bool], _opt(None, "--cuda-graphs/--no-cuda-graphs",
-                                         help="one GPU: compile the whole model with CUDA graphs")),
-    ("loss_chunks", Optional[int], _opt(None, "--loss-chunks", help="cross-entropy in N token chunks (1: plain)")),
-    ("ac", Optional[str], _opt(None, "--ac", help=f"activation checkpointing: {one_of(AC_MODES)}")),
-    ("compile", Optional[bool], _opt(None, "--compile/--no-compile", help="torch.compile each block")),
-    ("memory_snapshot", Optional[bool], _opt(None, "--memory-snapshot/--no-memory-snapshot",
-                                             help="CUDA: record memory history; dump a snapshot for "
-                                                  "pytorch.org/memory_viz into the run directory")),
-    ("mem_budget_gib", Optional[float], _opt(None, "--mem-budget-gib",
-                                             help="GiB one device may use: train stops before starting when the "
-                                                  "planner predicts more (default: the GPU's memory; on CPU only "
-                                                  "when given)")),
-    ("memory_check", Optional[bool], _opt(None, "--memory-check/--no-memory-check",
-                                          help="train: check the predicted peak memory first (default on)")),
-    *[(d.name, Optional[int], _opt(None, d.flag, help=d.help)) for d in all_dims()],  # the degrees (dims.py)
-    ("sp", Optional[bool], _opt(None, "--sp/--no-sp", help="sequence parallel (with tp)")),
-    ("cp_impl", Optional[str], _opt(None, "--cp-impl", help=one_of(CP_IMPLS))),
-    ("pp_schedule", Optional[str], _opt(None, "--pp-schedule", help=one_of(PP_SCHEDULES))),
-    ("microbatches", Optional[int], _opt(None, "--microbatches", help="pipeline micro-batches per step")),
-    ("virtual_stages", Optional[int], _opt(None, "--virtual-stages", help="pipeline stages per rank")),
-    ("dp_batch_split", Optional[str], _opt(None, "--dp-batch-split",
-                                           help="uneven data parallel: batch weights per dp rank, e.g. 3:1")),
-    ("pp_layers", Optional[str], _opt(None, "--pp-layers", help="blocks per pipeline stage, e.g. 3:1")),
-    ("ddp_comm_hook", Optional[str], _opt(None, "--ddp-comm-hook", help="none | bf16 | fp16 | powersgd")),
-    ("local_sgd_period", Optional[int], _opt(None, "--local-sgd-period", help="average models every N steps")),
-    ("cpu_offload", Optional[bool], _opt(None, "--cpu-offload/--no-cpu-offload", help="FSDP CPU offload")),
-    ("lr", Optional[float], _opt(None, "--lr", help="peak learning rate")),
-    ("ckpt_dir", Optional[str], _opt(None, "--ckpt-dir", help="checkpoint directory (default RUNDIR/checkpoints)")),
-    ("ckpt_every", Optional[int], _opt(None, "--ckpt-every", help="save every N steps (0: never)")),
-    ("resume", Optional[str], _opt(None, "--resume", help="auto | never | PATH")),
-    ("out", Optional[str], _opt(None, "--out", help="run directory (default runs/TIME-STRATEGY)")),
-    ("seed", Optional[int], _opt(None, "--seed", help="seed for weights and data")),
-    ("data", Optional[str], _opt(None, "--data", help="synthetic | PATH | 'A:w,B:w': token .bin, or JSON Lines / "
-                                "Parquet / Arrow / text files (globs, directories) with --tokenizer (docs/data.md)")),
-    ("tokenizer", Optional[str], _opt(None, "--tokenizer", help="directory with a tokenizer.json: documents are "
-                                      "tokenized on the fly")),
-    ("text_field", Optional[str], _opt(None, "--text-field", help="the records' text column: NAME, or per source "
-                                       "SOURCE=NAME,SOURCE=NAME (SOURCE: a --data entry as written, or its file name "
-                                       "or stem); default text")),
-    ("data_workers", Optional[int], _opt(None, "--data-workers", help="the data loader's worker processes per rank "
-                                         "(default 1; N > 1 tokenize documents in turn; 0: load in the training process)")),
-    ("pack", Optional[bool], _opt(None, "--pack/--no-pack", help="pack documents into rows with document masks "
-                                  "(default) or one document per row")),
-    ("val_data", Optional[str], _opt(None, "--val-data", help="held-out file for validation (docs/data.md)")),
-    ("val_fraction", Optional[float], _opt(None, "--val-fraction", help="hold out this tail fraction of --data")),
-    ("eval_every", Optional[int], _opt(None, "--eval-every", help="validate every N steps (and after the last)")),
-    ("val_batches", Optional[int], _opt(None, "--val-batches", help="global batches per validation (default 4)")),
-    ("vocab_size", Optional[int], _opt(None, "--vocab-size", help="override the preset's vocabulary (fit a tokenizer)")),
-    ("moe_capacity_factor", Optional[float], _opt(None, "--moe-capacity-factor",
-                                                  help="MoE presets: each expert keeps at most F x seq x top-k / experts "
-                                                       "routed copies per sequence, the rest dropped (0: dropless)")),
-    ("init_from", Optional[str], _opt(None, "--init-from", help="start from a Hugging Face directory's weights")),
-    ("timeout_s", Optional[float], _opt(None, "--timeout-s", help="collective timeout in seconds")),
-    ("max_restarts", Optional[int], _opt(None, "--max-restarts", help="elastic restarts after a failure")),
-    ("heal_replicas", Optional[bool], _opt(None, "--heal-replicas/--no-heal-replicas",
-                                           help="ddp: the other replicas train on when one is lost; a restarted "
-                                                "one copies a live replica's state (docs/reliability.md)")),
-    ("metrics", Optional[bool], _opt(None, "--metrics/--no-metrics", help="write RUNDIR/metrics.jsonl")),
-    ("monitor", Optional[bool], _opt(None, "--monitor/--no-monitor",
-                                     help="breakdown every N steps, alerts, Prometheus text (docs/monitoring.md)")),
-    ("monitor_every", Optional[int], _opt(None, "--monitor-every", help="steps per monitor window (default 10)")),
-    ("monitor_windows", Optional[int], _opt(None, "--monitor-windows",
-                                            help="consecutive windows over a threshold before an alert (default 3)")),
-    ("monitor_port", Optional[int], _opt(None, "--monitor-port", help="serve Prometheus text on 127.0.0.1:PORT")),
-    ("flight_recorder", Optional[bool], _opt(None, "--flight-recorder/--no-flight-recorder",
-                                             help="record each rank's recent collectives to name a stalled or "
-                                                  "dead rank (on by default; docs/reliability.md)")),
-    ("preempt_signal", Optional[str], _opt(None, "--preempt-signal",
-                                           help="USR1 | USR2 | TERM | INT | HUP: on it, checkpoint at the next step "
-                                                "and stop (docs/launch.md)")),
-]
-
-
-def with_options(options: list[tuple[str, object, object]], into: str):
-    """Give a command every option of `options` it does not declare itself (after its own); they arrive as one
-    dict in its `into` argument."""
-    def decorate(func):
-        sig = inspect.signature(func)
-        own = [p for p in sig.parameters.values() if p.name != into]
-        taken = {p.name for p in own}
-        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-                 for n, a, d in options if n not in taken]
-
-        @functools.wraps(func)
-        def wrapper(**kwargs):
-            opts = {n: kwargs.pop(n) for n, _, _ in options if n in kwargs and n not in taken}
-            return func(**kwargs, **{into: opts})
-
-        wrapper.__signature__ = sig.replace(parameters=own + extra)
-        return wrapper
-
-    return decorate
-
-
+TRAIN_OPTIONS = [CONFIG.param(), *(spec.param() for spec in shared_run_options())]
 with_train_options = with_options(TRAIN_OPTIONS, "train_opts")
 
 
@@ -186,12 +83,10 @@ def setup_cli_logging() -> None:
 @app.command()
 @with_train_options
 def train(print_config: bool = typer.Option(False, "--print-config", help="print the resolved config as TOML"),
-          probe: Optional[int] = typer.Option(None, "--probe", help="with --strategy auto: run the planner's top K "
-                                                                    "layouts a few steps each, train with the "
-                                                                    "fastest measured (docs/mixed-clusters.md)"),
+          probe: Optional[int] = RUN["probe"](),
           script: Optional[str] = typer.Option(None, "--script", help="train your own nn.Module: FILE.py:FUNCTION "
                                                                       "(docs/api.md)"),
-          as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
+          as_json: bool = AS_JSON(),
           train_opts: dict = None):
     """Train a model on N devices with any strategy."""
     setup_cli_logging()
@@ -292,9 +187,7 @@ def _holds_nothing_new(run_dir: Path) -> bool:
 # -- verify --------------------------------------------------------------------------------------------------------
 @app.command()
 @with_train_options
-def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to compare"),
-           as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
-           train_opts: dict = None):
+def verify(steps: int = RUN["steps"](default=5), as_json: bool = AS_JSON(), train_opts: dict = None):
     """Prove a parallel run matches a single-device run, every step and every rank (loss, grad norm,
     gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
     setup_cli_logging()
@@ -330,8 +223,8 @@ def verify(steps: int = typer.Option(5, "--steps", help="optimizer steps to comp
 def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory, or a --ckpt-dir (newest complete)"),
            out: Path = typer.Option(..., "-o", "--out", help="the Hugging Face directory to write"),
            max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="largest safetensors file, e.g. 500MB"),
-           dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16"),
-           as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
+           dtype: str = typer.Option("fp32", "--dtype", help="the written weights' dtype: fp32 | bf16 | fp16"),
+           as_json: bool = AS_JSON()):
     """Write a checkpoint as safetensors: a Hugging Face directory that transformers loads (presets, and hf: models
     in their own format with their tokenizer), or a plain state dict (a custom --script model)."""
     setup_cli_logging()
@@ -346,21 +239,20 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
         emit_json(doc)
 
 
-TEXT_FIELD_HELP = ("the text column of JSON Lines / Parquet / Arrow records: NAME, or per file "
-                   "FILE=NAME,FILE=NAME (the file as given, or its name or stem); default text")
+DOCUMENT_FILES = typer.Argument(..., help="text files (each one a document), or JSON Lines / Parquet / Arrow files "
+                                          "(each record one)")
 data_app = typer.Typer(no_args_is_help=True,
                        help="Prepare training data: train a tokenizer, tokenize text into a token file.")
 app.add_typer(data_app, name="data")
 
 
 @data_app.command("prepare")
-def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each one a document), or JSON Lines "
-                                                    "/ Parquet / Arrow files (each record one)"),
-                 tokenizer: Path = typer.Option(..., "--tokenizer", help="a tokenizer.json or its directory"),
+def data_prepare(files: list[Path] = DOCUMENT_FILES,
+                 tokenizer: Path = RUN["tokenizer"](default=...),
                  out: Path = typer.Option(..., "-o", "--out", help="the token file to write (tokens.bin)"),
                  eot: Optional[str] = typer.Option(None, "--eot", help="end-of-text token after each document"),
-                 text_field: str = typer.Option("text", "--text-field", help=TEXT_FIELD_HELP),
-                 as_json: bool = typer.Option(False, "--json", help="print the sidecar on stdout")):
+                 text_field: str = RUN["text_field"](default="text"),
+                 as_json: bool = AS_JSON()):
     """Tokenize text files into nanoGPT-style tokens (tokens.bin) plus a JSON sidecar (tokens.bin.json)."""
     setup_cli_logging()
     from paratrain.train.data.prepare_tokens import prepare_tokens, sidecar_path
@@ -373,12 +265,12 @@ def data_prepare(files: list[Path] = typer.Argument(..., help="text files (each 
 
 
 @data_app.command("tokenizer")
-def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files (each one a document), or JSON Lines "
-                                                      "/ Parquet / Arrow files (each record one) to learn from"),
+def data_tokenizer(files: list[Path] = DOCUMENT_FILES,
                    out: Path = typer.Option(..., "-o", "--out", help="directory for the tokenizer.json"),
-                   vocab_size: int = typer.Option(8192, "--vocab-size", help="at most this many tokens"),
-                   text_field: str = typer.Option("text", "--text-field", help=TEXT_FIELD_HELP),
-                   as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout")):
+                   vocab_size: int = typer.Option(8192, "--vocab-size",
+                                                  help="the tokenizer's vocabulary: at most this many tokens"),
+                   text_field: str = RUN["text_field"](default="text"),
+                   as_json: bool = AS_JSON()):
     """Train a byte-level BPE tokenizer.json on your own documents, read as `train` reads them (for `data prepare
     --tokenizer DIR` or `train --tokenizer DIR`)."""
     setup_cli_logging()
@@ -394,7 +286,7 @@ def data_tokenizer(files: list[Path] = typer.Argument(..., help="text files (eac
 
 # -- env -----------------------------------------------------------------------------------------------------------
 @app.command()
-def env(as_json: bool = typer.Option(False, "--json", help="print JSON on stdout")):
+def env(as_json: bool = AS_JSON()):
     """Versions, devices, backends and topology, for bug reports (on stdout: `paratrain env > env.txt`)."""
     from paratrain.env_report import collect_env
 
@@ -408,17 +300,15 @@ def env(as_json: bool = typer.Option(False, "--json", help="print JSON on stdout
 # -- doctor --------------------------------------------------------------------------------------------------------
 @app.command()
 @with_train_options
-def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after the warm-up)"),
-           warmup: int = typer.Option(2, "--warmup", help="unmeasured steps first (setup, caches)"),
+def doctor(steps: int = MEASURED_STEPS(), warmup: int = WARMUP(default=2),
            trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (opens in Perfetto)"),
-           mem_budget_gib: Optional[float] = typer.Option(None, "--mem-budget-gib",
-                                                          help="memory per device to judge against (GiB)"),
+           mem_budget_gib: Optional[float] = RUN["mem_budget_gib"](),  # the report's budget; the run's own check never sees it
            probe_rounds: int = typer.Option(3, "--probe-rounds",
                                             help="rounds of counterfactual probe steps (0: exposure only)"),
-           html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
+           html: Optional[Path] = HTML(),
            hang: Optional[Path] = typer.Option(None, "--hang", help="read a hung run's flight-recorder files "
                                                "(RUNDIR/hang/) and name the rank that stalled or died"),
-           as_json: bool = typer.Option(False, "--json", help="print the JSON report on stdout"),
+           as_json: bool = AS_JSON(),
            train_opts: dict = None):
     """Why is my utilization low? Measure a few steps of this run and name the causes, with fixes."""
     setup_cli_logging()
@@ -452,30 +342,26 @@ def doctor(steps: int = typer.Option(10, "--steps", help="measured steps (after 
 
 
 # -- bench ---------------------------------------------------------------------------------------------------------
+BENCH_RUN_OPTIONS = ("model", "seq_len", "micro_batch", "global_batch", "dtype", "device", "timeout_s")
+
+
 @app.command()
+@with_options([CONFIG.param(), *(RUN[name].param() for name in BENCH_RUN_OPTIONS)], "train_opts")
 def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help="comma-separated strategies"),
-          nproc: str = typer.Option("1,2,4", "--nproc", help="comma-separated world sizes"),
-          steps: int = typer.Option(10, "--steps", help="measured steps per run"),
-          warmup: int = typer.Option(3, "--warmup", help="unmeasured steps first (>= 2)"),
-          scaling: str = typer.Option("weak", "--scaling", help="weak (batch per device fixed) | strong"),
+          nproc: str = RUN["nproc"].noting("comma-separated: one run each")(default="1,2,4"),
+          steps: int = MEASURED_STEPS(),
+          warmup: int = WARMUP.noting("at least 2")(default=3),
+          scaling: str = typer.Option("weak", "--scaling", help="weak (--micro-batch per device fixed) | strong "
+                                                                "(--global-batch fixed)"),
           plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
-          html: Optional[Path] = typer.Option(None, "--html", help="write a self-contained HTML report"),
-          as_json: bool = typer.Option(False, "--json", help="print the JSON result on stdout"),
-          config: Optional[Path] = typer.Option(None, "--config", help="TOML run config for everything else"),
-          model: Optional[str] = typer.Option(None, "--model", help="model preset, or hf:PATH"),
-          seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence"),
-          micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
-                                                    help="sequences per device (weak scaling)"),
-          global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step (strong)"),
-          dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16"),
-          device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda"),
-          timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="collective timeout in seconds")):
+          html: Optional[Path] = HTML(),
+          as_json: bool = AS_JSON(),
+          train_opts: dict = None):
     """Measure scaling 1 -> 2 -> 4 for several strategies: table, JSON and plots."""
     setup_cli_logging()
     from paratrain.bench.scaling import markdown_table, parse_list, run_bench
 
-    cfg = resolve_config({"config": config, "model": model, "seq_len": seq_len, "micro_batch": micro_batch,
-                          "global_batch": global_batch, "dtype": dtype, "device": device, "timeout_s": timeout_s})
+    cfg = resolve_config(train_opts)
     doc = run_bench(cfg, parse_list(strategies, "strategies"), parse_list(nproc, "nproc", int), steps, warmup,
                     scaling)
     if plot is not None:
@@ -494,37 +380,36 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
 
 
 # -- plan ----------------------------------------------------------------------------------------------------------
+def fixed(spec: OptionSpec) -> tuple[str, object, object]:
+    """A run option in `plan`: given, it is fixed; left out, the planner searches it."""
+    return spec.but(help=f"fix: {spec.help}").param()
+
+
 PLAN_OPTIONS: list[tuple[str, object, object]] = [
-    ("model", Optional[str], typer.Option(None, "--model", help="model preset (see train --help), or hf:PATH")),
+    RUN["model"].param(),
     ("hf_config", Optional[Path], typer.Option(None, "--hf-config", help="a Hugging Face config.json or its directory (any decoder-only causal LM)")),
     ("gpu", Optional[str], typer.Option(None, "--gpu", help="a100-40, a100-80, h100-sxm, h100-pcie, h200, a6000, "
                                                              "rtx4090, l4, l40s, cpu; or a list per node in rank "
                                                              "order for a mixed cluster: h100-sxm:8,a100-80:8")),
-    ("mig", Optional[str], typer.Option(None, "--mig", help="each device is this MIG slice of --gpu, e.g. "
-                                                             "3g.40gb (docs/planner.md)")),
+    MIG.param(),
     ("cluster", Optional[Path], typer.Option(None, "--cluster", help="mixed cluster JSON: nodes with GPU type, "
                                                                      "count, links, speed (docs/mixed-clusters.md)")),
     ("gpus", Optional[int], typer.Option(None, "--gpus", help="total GPUs (devices)")),
-    ("nodes", Optional[int], typer.Option(None, "--nodes", help="nodes (default: ceil(gpus / 8))")),
-    ("seq_len", Optional[int], typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)")),
-    ("global_batch", Optional[int], typer.Option(None, "--global-batch", help="sequences per step (default 16)")),
-    ("dtype", str, typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Hopper)")),
-    ("compile", bool, typer.Option(False, "--compile", help="the run uses torch.compile (fused elementwise)")),
+    NODES.noting("default: ceil(gpus / 8)").param(),
+    RUN["seq_len"].noting("default: the model's").param(),
+    RUN["global_batch"].noting("default 16").param(),
+    RUN["dtype"].param(annotation=str, default="bf16"),
+    RUN["compile"].param(annotation=bool, default=False, flags=("--compile",)),
     ("top", int, typer.Option(10, "--top", help="candidates to list")),
     ("search", str, typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
                                                           "every layout)")),
-    ("strategy", Optional[str], typer.Option(None, "--strategy", help="fix the strategy family (e.g. zero3)")),
-    *[(d.name, Optional[int], typer.Option(None, d.flag, help=d.plan_help)) for d in all_dims()],  # dims.py
-    ("micro_batch", Optional[int], typer.Option(None, "--micro-batch", help="fix: sequences per forward per GPU")),
-    ("ac", Optional[str], typer.Option(None, "--ac", help=f"fix: {one_of(AC_MODES)}")),
-    ("sp", Optional[bool], typer.Option(None, "--sp/--no-sp", help="fix: sequence parallel with tp")),
-    ("cp_impl", Optional[str], typer.Option(None, "--cp-impl", help=f"fix: {one_of(CP_IMPLS)}")),
-    ("pp_schedule", Optional[str], typer.Option(None, "--pp-schedule", help=f"fix: {one_of(PP_SCHEDULES)}")),
-    ("virtual_stages", Optional[int], typer.Option(None, "--virtual-stages", help="fix: stages per pipeline rank")),
+    fixed(RUN["strategy"]),
+    *[RUN[d.name].but(help=d.plan_help).param() for d in all_dims()],  # the degrees' "fix:" help (dims.py)
+    *[fixed(RUN[name]) for name in ("micro_batch", "ac", "sp", "cp_impl", "pp_schedule", "virtual_stages")],
     ("hardware", Optional[Path], typer.Option(None, "--hardware", help="hardware profile JSON (from --calibrate)")),
     ("calibrate", bool, typer.Option(False, "--calibrate", help="measure this machine; save to --hardware FILE "
                                                                 "(default ~/.cache/paratrain/hardware-profile.json)")),
-    ("nproc", int, typer.Option(2, "--nproc", help="processes for --calibrate")),
+    RUN["nproc"].noting("for --calibrate").param(annotation=int, default=2),
     ("calibrate_rounds", int, typer.Option(9, "--calibrate-rounds", min=1, max=100,
                                            help="--calibrate: timed rounds of each reference step (fewer: "
                                                 "faster, noisier fit; 1 also warms up once, not twice)")),
@@ -532,7 +417,7 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     ("mem_gib", Optional[float], typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB")),
     ("intra_node_gbs", Optional[float], typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way")),
     ("inter_node_gbs", Optional[float], typer.Option(None, "--inter-node-gbs", help="GB/s per GPU, one way")),
-    ("as_json", bool, typer.Option(False, "--json", help="print the plan as JSON on stdout")),
+    AS_JSON.param(),
 ]
 
 
@@ -580,7 +465,7 @@ def plan(plan_opts: dict = None):
 @app.command()
 @with_train_options
 def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
-           nodes: int = typer.Option(1, "--nodes", help="machines"),
+           nodes: int = NODES(default=1),
            gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs (ranks) per machine"),
            output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the job here, not to stdout"),
            job_name: Optional[str] = typer.Option(None, "--job-name", help="default: paratrain-STRATEGY"),
@@ -597,7 +482,7 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
                                                        help="CPUs per node for its ranks (default: 1 per rank with "
                                                             "--device cpu, else slurm 8 per GPU); OMP_NUM_THREADS "
                                                             "= CPUs / ranks"),
-           mig: Optional[str] = typer.Option(None, "--mig", help="slurm, k8s: each rank a MIG slice, e.g. 3g.40gb"),
+           mig: Optional[str] = MIG.noting("slurm and k8s jobs")(),
            gpu_share: Optional[str] = typer.Option(None, "--gpu-share", help="k8s (HAMi): each rank a shared GPU, "
                                                                               "MEM_MIB:CORES_PCT, e.g. 20000:50"),
            queue: Optional[str] = typer.Option(None, "--queue", help="k8s only: Kueue LocalQueue (label "

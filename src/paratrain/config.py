@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from paratrain.errors import UserError
 from paratrain.parallel.dims import all_dims
-from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE, PP_SCHEDULES
+from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE, PP_SCHEDULES, one_of
 from paratrain.parallel.strategies import STRATEGY_TABLE
 
 STRATEGIES = (*STRATEGY_TABLE, "auto")
@@ -24,6 +24,10 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # characters no config string may hold: they would break a path, a shell line or a YAML/TOML line
 _FORBIDDEN = {chr(c) for c in range(32)} | {"\x7f", "\x85", "\u2028", "\u2029"}
 _TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+# A field is a flag of every command that takes the run options (train, verify, doctor, launch), named after it,
+# its description the --help text (cli_options.py builds them); these markers, as its json_schema_extra, say otherwise
+CONFIG_ONLY = {"cli": "config only"}  # a config-file key, no flag
+TRAIN_ONLY = {"cli": "train only"}  # a flag of `train` alone
 
 
 def toml_string(text: str) -> str:
@@ -52,105 +56,128 @@ class _RunFields(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     # what to train
-    model: str = "tiny"
+    model: str = Field("tiny", description="model preset: tiny, tiny4, small, gpt2-tiny, gpt2-124m, llama-162m, "
+                       "llama3-8b, llama2-70b; or hf:PATH, a transformers model directory or config.json")
     # optional overrides of the preset's shape (None: the preset's value), e.g. to try a padded vocabulary
-    vocab_size: int | None = Field(None, ge=2)
-    dim: int | None = Field(None, ge=2)
-    n_layers: int | None = Field(None, ge=1)
-    ffn_dim: int | None = Field(None, ge=1)
-    # an MoE preset's capacity factor (None: the preset's, dropless): each expert keeps at most factor x S x k / E
-    # routed copies of each sequence of S tokens, the rest dropped (docs/moe.md)
-    moe_capacity_factor: float | None = Field(None, ge=0, le=64)
-    data: str = "synthetic"
+    vocab_size: int | None = Field(None, ge=2, description="override the preset's vocabulary (fit a tokenizer)")
+    dim: int | None = Field(None, ge=2, json_schema_extra=CONFIG_ONLY)
+    n_layers: int | None = Field(None, ge=1, json_schema_extra=CONFIG_ONLY)
+    ffn_dim: int | None = Field(None, ge=1, json_schema_extra=CONFIG_ONLY)
+    # None: the preset's (dropless); docs/moe.md
+    moe_capacity_factor: float | None = Field(None, ge=0, le=64, description=(
+        "MoE presets: each expert keeps at most F x seq x top-k / experts routed copies per sequence, the rest "
+        "dropped (0: dropless)"))
+    data: str = Field("synthetic", description="synthetic | PATH | 'A:w,B:w': token .bin, or JSON Lines / Parquet / "
+                      "Arrow / text files (globs, directories) with --tokenizer (docs/data.md)")
     # document data (docs/data.md): a local tokenizer.json, the text column, packing into rows (or one per row)
-    tokenizer: str | None = None
-    text_field: str = "text"
-    pack: bool = True
-    data_workers: int = Field(1, ge=0, le=256)  # the loader's worker processes per rank (0: in-process)
-    seq_len: int = Field(64, ge=2)
-    global_batch: int = Field(16, ge=1)
-    micro_batch: int | None = Field(None, ge=1, description="per-rank micro-batch; default: no accumulation")
-    steps: int = Field(200, ge=1)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    tokenizer: str | None = Field(None, description="a tokenizer.json or its directory, to tokenize documents with")
+    text_field: str = Field("text", description=(
+        "the records' text column (JSON Lines / Parquet / Arrow): NAME, or per source SOURCE=NAME,SOURCE=NAME "
+        "(SOURCE: a file or --data entry as written, or its file name or stem); default text"))
+    pack: bool = Field(True, description="pack documents into rows with document masks (default) or one document "
+                       "per row")
+    data_workers: int = Field(1, ge=0, le=256, description=(
+        "the data loader's worker processes per rank (default 1; N > 1 tokenize documents in turn; 0: load in the "
+        "training process)"))
+    seq_len: int = Field(64, ge=2, description="tokens per sequence")
+    global_batch: int = Field(16, ge=1, description="sequences per optimizer step, all ranks")
+    # None: the rank's whole batch in one pass, no accumulation
+    micro_batch: int | None = Field(None, ge=1, description="sequences per forward pass per rank")
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for weights and data")
     # validation (docs/data.md): a held-out file or the tail of the training file, every N steps
-    val_data: str | None = None
-    val_fraction: float = Field(0.0, ge=0, lt=0.5)
-    eval_every: int = Field(0, ge=0)
-    val_batches: int = Field(4, ge=1)
-    init_from: str | None = None  # a Hugging Face directory to start from (docs/checkpoint.md)
+    val_data: str | None = Field(None, description="held-out file for validation (docs/data.md)")
+    val_fraction: float = Field(0.0, ge=0, lt=0.5, description="hold out this tail fraction of --data")
+    eval_every: int = Field(0, ge=0, description="validate every N steps (and after the last)")
+    val_batches: int = Field(4, ge=1, description="global batches per validation (default 4)")
+    init_from: str | None = Field(None, description="start from a Hugging Face directory's weights "
+                                  "(docs/checkpoint.md)")
 
     # where and how
-    strategy: str = "ddp"
-    probe: int = Field(0, ge=0)  # with strategy "auto": run the planner's top K layouts a few steps, keep the fastest
-    nproc: int = Field(2, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"  # fp8: torchao float8 linears, GPUs with FP8 cores
-    tf32: bool = True  # fp32 on CUDA: matmuls in TF32 (MFU against the TF32 peak); False: true fp32
-    cuda_graphs: bool = False  # one GPU: the whole model compiled with CUDA graphs (mode="reduce-overhead")
-    loss_chunks: int = Field(1, ge=1)  # cross-entropy over N token chunks, fp32 logits of one chunk at a time
-    ac: Literal[AC_MODES] = AC_MODES[0]
-    compile: bool = False
-    memory_snapshot: bool = False  # CUDA: record allocator history, dump RUNDIR/memory-snapshot-rank*.pickle
-    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
-    # train's memory check (plan/memory_check.py): GiB one device may use (None: the GPU's memory; on CPU the
-    # check runs only when this is given); memory_check = false skips it
-    mem_budget_gib: float | None = Field(None, gt=0)
-    memory_check: bool = True
-    max_restarts: int = Field(0, ge=0)
-    # ddp replicas as separate processes: the others train on when one is lost, a restarted one copies a live
-    # peer's state (train/recovery/replica_heal.py, docs/reliability.md); needs torchft
-    heal_replicas: bool = False
+    strategy: str = Field("ddp", description=", ".join(STRATEGIES))
+    probe: int = Field(0, ge=0, json_schema_extra=TRAIN_ONLY, description=(
+        "with --strategy auto: run the planner's top K layouts a few steps each, train with the fastest measured "
+        "(docs/mixed-clusters.md)"))
+    nproc: int = Field(2, ge=1, description="processes (devices) on this machine")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto | cpu | cuda")
+    # fp8: torchao float8 linears, GPUs with FP8 cores
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description=(
+        "fp32 | bf16 | fp16 | fp8 (CUDA, compute capability 8.9+)"))
+    # MFU counts against the TF32 peak when on; off: true fp32
+    tf32: bool = Field(True, description="fp32 on CUDA: TF32 matmuls (default on)")
+    cuda_graphs: bool = Field(False, description="one GPU: compile the whole model with CUDA graphs "
+                              "(mode=reduce-overhead)")
+    # fp32 logits of one chunk at a time
+    loss_chunks: int = Field(1, ge=1, description="cross-entropy in N token chunks (1: plain)")
+    ac: Literal[AC_MODES] = Field(AC_MODES[0], description=f"activation checkpointing: {one_of(AC_MODES)}")
+    compile: bool = Field(False, description="torch.compile each block")
+    memory_snapshot: bool = Field(False, description="CUDA: record memory history; dump a snapshot for "
+                                  "pytorch.org/memory_viz into the run directory")
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="collective timeout in seconds")
+    # train's memory check (plan/memory_check.py); the doctor judges its run against the same budget
+    mem_budget_gib: float | None = Field(None, gt=0, description=(
+        "GiB one device may use (default: the GPU's memory): train stops before starting when the planner "
+        "predicts more (on CPU only when given); doctor judges the measured peak against it"))
+    memory_check: bool = Field(True, description="train: check the predicted peak memory first (default on)")
+    max_restarts: int = Field(0, ge=0, description="elastic restarts after a failure")
+    # train/recovery/replica_heal.py; needs torchft
+    heal_replicas: bool = Field(False, description=(
+        "ddp: the other replicas train on when one is lost; a restarted one copies a live replica's state "
+        "(docs/reliability.md)"))
 
 
 # the degrees, one field per parallel dimension (parallel/dims.py): None means "derived from the strategy"
 _WithDegrees = create_model("_WithDegrees", __base__=_RunFields,
-                            **{d.name: (int | None, Field(None, ge=1)) for d in all_dims()})
+                            **{d.name: (int | None, Field(None, ge=1, description=d.help)) for d in all_dims()})
 
 
 class TrainConfig(_WithDegrees):
     # strategy options
-    sp: bool = False
-    cp_impl: Literal[CP_IMPLS] = CP_IMPLS[0]
-    pp_schedule: Literal[PP_SCHEDULES] = DEFAULT_PP_SCHEDULE
-    microbatches: int | None = Field(None, ge=1)
-    virtual_stages: int = Field(1, ge=1)
-    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
-    local_sgd_period: int = Field(0, ge=0)
-    cpu_offload: bool = False
-    # uneven splits for mixed clusters (docs/strategies.md): integer weights per data-parallel rank ("3:1"),
-    # transformer blocks per pipeline stage ("3:1"); None: even
-    dp_batch_split: str | None = None
-    pp_layers: str | None = None
+    sp: bool = Field(False, description="sequence parallel (with tp)")
+    cp_impl: Literal[CP_IMPLS] = Field(CP_IMPLS[0], description=one_of(CP_IMPLS))
+    pp_schedule: Literal[PP_SCHEDULES] = Field(DEFAULT_PP_SCHEDULE, description=one_of(PP_SCHEDULES))
+    microbatches: int | None = Field(None, ge=1, description="pipeline micro-batches per step")
+    virtual_stages: int = Field(1, ge=1, description="pipeline stages per rank")
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = Field("none", description=(
+        "none | bf16 | fp16 | powersgd"))
+    local_sgd_period: int = Field(0, ge=0, description="average models every N steps")
+    cpu_offload: bool = Field(False, description="FSDP CPU offload")
+    # uneven splits for mixed clusters (docs/strategies.md); None: even
+    dp_batch_split: str | None = Field(None, description="uneven data parallel: batch weights per dp rank, e.g. 3:1")
+    pp_layers: str | None = Field(None, description="blocks per pipeline stage, e.g. 3:1")
 
     # optimisation
-    lr: float = Field(3e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(5, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0)
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, json_schema_extra=CONFIG_ONLY)
+    warmup_steps: int = Field(5, ge=0, json_schema_extra=CONFIG_ONLY)
+    weight_decay: float = Field(0.0, ge=0, json_schema_extra=CONFIG_ONLY)
+    beta1: float = Field(0.9, ge=0, lt=1, json_schema_extra=CONFIG_ONLY)
+    beta2: float = Field(0.95, ge=0, lt=1, json_schema_extra=CONFIG_ONLY)
+    grad_clip: float = Field(1.0, ge=0, json_schema_extra=CONFIG_ONLY)
 
     # checkpoints and output
-    ckpt_dir: str | None = None
-    ckpt_every: int = Field(0, ge=0)
-    keep_ckpts: int = Field(3, ge=1)
-    resume: str = "auto"
-    out: str | None = None
-    log_every: int = Field(1, ge=1)
-    metrics: bool = True
-    # train --monitor (docs/monitoring.md): a breakdown every monitor_every steps, an alert after
-    # monitor_windows consecutive windows over a threshold, Prometheus text (and HTTP on 127.0.0.1:monitor_port)
-    monitor: bool = False
-    monitor_every: int = Field(10, ge=1)
-    monitor_windows: int = Field(3, ge=1)
-    monitor_port: int | None = Field(None, ge=0, le=65535)
+    ckpt_dir: str | None = Field(None, description="checkpoint directory (default RUNDIR/checkpoints)")
+    ckpt_every: int = Field(0, ge=0, description="save every N steps (0: never)")
+    keep_ckpts: int = Field(3, ge=1, json_schema_extra=CONFIG_ONLY)
+    resume: str = Field("auto", description="auto | never | PATH")
+    out: str | None = Field(None, description="run directory (default runs/TIME-STRATEGY)")
+    log_every: int = Field(1, ge=1, json_schema_extra=CONFIG_ONLY)
+    metrics: bool = Field(True, description="write RUNDIR/metrics.jsonl")
+    # train --monitor (docs/monitoring.md): Prometheus text, and HTTP on 127.0.0.1:monitor_port
+    monitor: bool = Field(False, description="breakdown every N steps, alerts, Prometheus text "
+                          "(docs/monitoring.md)")
+    monitor_every: int = Field(10, ge=1, description="steps per monitor window (default 10)")
+    monitor_windows: int = Field(3, ge=1, description="consecutive windows over a threshold before an alert "
+                                 "(default 3)")
+    monitor_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus text on 127.0.0.1:PORT")
     # each rank's recent collectives and phases, written under RUNDIR/hang/ when it stops; the launcher names
-    # the rank that stalled or died from them (train/recovery/flight_recorder.py, docs/reliability.md)
-    flight_recorder: bool = True
-    # on this signal every rank checkpoints at the next step and the run stops; --resume auto continues it
-    # (train/recovery/preemption.py; a Slurm job from `launch slurm` asks for USR1 before its time limit)
-    preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] | None = None
+    # the rank that stalled or died from them (train/recovery/flight_recorder.py)
+    flight_recorder: bool = Field(True, description="record each rank's recent collectives to name a stalled or "
+                                  "dead rank (on by default; docs/reliability.md)")
+    # train/recovery/preemption.py; a Slurm job from `launch slurm` asks for USR1 before its time limit
+    preempt_signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] | None = Field(None, description=(
+        "USR1 | USR2 | TERM | INT | HUP: on it, checkpoint at the next step and stop; --resume auto continues "
+        "(docs/launch.md)"))
 
     @field_validator("*")
     @classmethod
