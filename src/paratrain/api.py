@@ -27,7 +27,8 @@ def fit(model_fn: Callable | str, data: Callable | str | None = None, *, loss_fn
     data: a module-level function `data(indices: np.ndarray) -> (inputs, targets)`, a pure function of the
       sample indices; or a paratrain data spec ("synthetic", a token file, documents with `tokenizer=`) with
       `vocab_size=` for an LM; or a torch Dataset / IterableDataset (`data_workers=N`), sharded across the
-      data-parallel ranks by paratrain (docs/data.md).
+      data-parallel ranks by paratrain (docs/data.md); or an object implementing the Source protocol of
+      paratrain/train/data/source.py.
     loss_fn: `loss_fn(outputs, targets) -> scalar`; default: next-token cross entropy on (batch, seq, vocab).
     tp_plan: for strategy "tp": {module path: ParallelStyle}, or a function of the model returning one.
     config: any `paratrain train` setting by its config name: nproc, steps, global_batch, lr, seed, out,

@@ -23,7 +23,7 @@ from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import build_model, model_args_for
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.data.packing import IGNORE
-from paratrain.train.data.source import make_prefetcher, make_train_data
+from paratrain.train.data.source import make_train_data
 from paratrain.train.hooks import Hooks
 from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
@@ -66,7 +66,7 @@ def trainer_for(rt, cfg: TrainConfig, fault: bool = False) -> Trainer:
 
 def first_step_loss(rt, cfg: TrainConfig, fault: bool) -> float:
     trainer = trainer_for(rt, cfg, fault)
-    loader = make_prefetcher(trainer.source)
+    loader = trainer.source.prefetcher()
     try:
         return trainer.train_step(loader.next_step()[0])["loss"]
     finally:

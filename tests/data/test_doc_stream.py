@@ -18,7 +18,7 @@ from paratrain.errors import UserError
 from paratrain.models.presets import build_model, model_args_for
 from paratrain.train.data.doc_sources import is_document_spec, parse_sources
 from paratrain.train.data.packing import IGNORE, Packer, rows_to_batch
-from paratrain.train.data.source import make_batch_source, make_prefetcher, make_train_data
+from paratrain.train.data.source import make_train_data
 from support.doc_corpus import make_corpus
 
 pytest.importorskip("datasets")
@@ -75,12 +75,11 @@ def global_batches(cfg, dp: int, steps: int, state: dict | None = None, workers:
     """Hashes of `steps` global batches read through dp rank sources (each with its worker process), and the
     state after them (rank 0's; every rank's is the same)."""
     data = make_train_data(cfg, 320)
-    sources = [make_batch_source(data, cfg.global_batch, r, dp, cfg.global_batch // dp, workers=workers)
-               for r in range(dp)]
+    sources = [data.batch_source(cfg.global_batch, r, dp, cfg.global_batch // dp, workers=workers) for r in range(dp)]
     if state is not None:
         for s in sources:
             s.load_state_dict(json.loads(json.dumps(state)))
-    loaders = [make_prefetcher(s) for s in sources]
+    loaders = [s.prefetcher() for s in sources]
     hashes = []
     for _ in range(steps):
         parts = [loader.next_step()[0] for loader in loaders]
@@ -164,7 +163,7 @@ def test_packed_rows_loss_equals_each_document_alone(corpus, preset):
         if fault:
             plugin(hooks)
         trainer = Trainer(cfg, rt, quiet=True, hooks=hooks)
-        loader = make_prefetcher(trainer.source)
+        loader = trainer.source.prefetcher()
         losses[fault] = trainer.train_step(loader.next_step()[0])["loss"]
         loader.close()
     assert losses[False] == pytest.approx(reference, rel=1e-5)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from paratrain.train.data.source import make_batch_source, make_prefetcher
 from paratrain.train.data.torch_data import TorchData
 
 SEQ = 8
@@ -33,10 +32,10 @@ class SampleStream(IterableDataset):
 
 def rows_read(data, dp: int, steps: int, start: int = 0, workers: int = 1) -> list[list[int]]:
     """The first token of each row of each global batch, read through dp rank sources."""
-    sources = [make_batch_source(TorchData(data), 4, r, dp, 4 // dp, workers=workers) for r in range(dp)]
+    sources = [TorchData(data).batch_source(4, r, dp, 4 // dp, workers=workers) for r in range(dp)]
     for s in sources:
         s.load_state_dict({"step": start})
-    loaders = [make_prefetcher(s) for s in sources]
+    loaders = [s.prefetcher() for s in sources]
     out = []
     for _ in range(steps):
         rows = torch.cat([torch.cat([mb.inputs for mb in loader.next_step()[0]]) for loader in loaders])

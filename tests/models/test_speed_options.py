@@ -17,6 +17,7 @@ from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, get_preset
 from paratrain.models.speed import ModelSpeed, model_speed_for
 from paratrain.parallel.pp.pipeline_split import StageSpec, carve_stage
+from paratrain.parallel.tp.tp_technique import check_tp_speed
 from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.train.step import lm_loss
 from paratrain.verify.compare import FLOOR_MULTIPLE
@@ -196,11 +197,11 @@ def test_bf16_residual_changes_nothing_without_bf16_autocast(preset):
 
 def test_fused_qkv_with_tensor_parallel_is_refused_in_one_line():
     with pytest.raises(UserError) as err:
-        ModelSpeed(fused_qkv=True).check_tp(2)
+        check_tp_speed(ModelSpeed(fused_qkv=True), 2)
     message = str(err.value)
     assert "\n" not in message and "--fused-qkv" in message and "tp=2" in message
-    ModelSpeed(fused_qkv=True).check_tp(1)
-    ModelSpeed(bf16_residual=True).check_tp(2)
+    check_tp_speed(ModelSpeed(fused_qkv=True), 1)
+    check_tp_speed(ModelSpeed(bf16_residual=True), 2)
     # the run config's options, as train's validation reads them (a config without the fields: off)
     assert model_speed_for(SimpleNamespace(fused_qkv=True, bf16_residual=False)) == FUSED
     assert model_speed_for(SimpleNamespace()) == ModelSpeed()

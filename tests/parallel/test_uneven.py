@@ -22,8 +22,9 @@ from helpers import cli_env
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.strategies import config_fields, resolve_layout
-from paratrain.parallel.uneven_split import dp_loss_weight, dp_micro_batches, stage_layer_counts
+from paratrain.parallel.uneven_split import dp_micro_batches, stage_layer_counts
 from paratrain.train.data.indexed_sets import BatchSource, SyntheticMarkov
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,7 +97,7 @@ def test_shares_weights_and_refusals():
     layout = resolve_layout(TrainConfig(strategy="ddp", global_batch=12, dp_batch_split="3:1", microbatches=3), 2)
     assert layout.dp_micro_batches == (3, 1) and layout.microbatches == 3 and layout.global_batch == 12
     # rank r's loss weight x its micro-batches = dp x its share of the global batch: the weights average to 1
-    assert [dp_loss_weight(layout, r) * 3 for r in (0, 1)] == [1.5, 0.5]
+    assert [LossWeighting.of(layout, r).dense_weight * 3 for r in (0, 1)] == [1.5, 0.5]
     for bad in ({"strategy": "ddp", "micro_batch": 2}, {"strategy": "ddp", "ddp_comm_hook": "fp16"},
                 {"strategy": "ddp", "local_sgd_period": 2}, {"strategy": "tp", "dp_shard": 2}):
         with pytest.raises(UserError, match="dp-batch-split"):

@@ -143,7 +143,7 @@ def tp_plan_for(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool
     """The built-in plan of a paratrain model family; other models must bring their own."""
     speed = getattr(model, "speed", None)
     if speed is not None:  # built with speed options (models/speed.py) the plan may not split
-        speed.check_tp(tp)
+        speed.refuse_head_split(tp)
     if isinstance(model, Transformer):
         return llama_tp_plan(model, tp, sp, loss_parallel)
     if getattr(getattr(model, "args", None), "family", None) == "gpt2":

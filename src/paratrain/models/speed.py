@@ -22,9 +22,10 @@ class ModelSpeed:
     # Q, K and V as one GEMM over the concatenation of wq, wk and wv (--fused-qkv); the three stay parameters
     fused_qkv: bool = False
 
-    def check_tp(self, tp: int) -> None:
-        """Tensor parallelism shards wq, wk and wv each by heads: their concatenation is no sharded matrix."""
-        if self.fused_qkv and tp > 1:
+    def refuse_head_split(self, tp: int) -> None:
+        """Asked where tensor parallelism splits the heads (parallel/tp/tp_technique.py, a TP plan): it shards wq,
+        wk and wv each by heads, and their concatenation is no sharded matrix."""
+        if self.fused_qkv:
             raise UserError(f"--fused-qkv is not supported with tensor parallelism (tp={tp}) yet: tp splits wq, wk "
                             "and wv each by heads; drop --fused-qkv or run without --tp")
 

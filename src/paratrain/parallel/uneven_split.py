@@ -4,8 +4,9 @@ and the one-line refusals; the Layout carries the result, the trainer and the pi
 
 Data parallel: rank r reads global_batch * w_r / sum(w) sequences per step in M micro-batches (M is the same on
 every rank, because FSDP's per-forward all-gathers must pair up). Its loss is scaled by dp * b_r / global_batch
-per micro-batch (b_r its micro-batch) instead of 1 / M, so that after DDP's / FSDP's average over dp ranks the
-gradient is the token-weighted mean over the global batch: the single-device step.
+per micro-batch (b_r its micro-batch) instead of 1 / M (parallel/loss_weighting.py's dense weight), so that after
+DDP's / FSDP's average over dp ranks the gradient is the token-weighted mean over the global batch: the
+single-device step.
 """
 
 from __future__ import annotations
@@ -61,14 +62,6 @@ def stage_layer_counts(text: str, n_stages: int, n_layers: int) -> tuple[int, ..
     if sum(counts) != n_layers:
         raise UserError(f"--pp-layers {text} adds up to {sum(counts)} blocks but the model has {n_layers}")
     return counts
-
-
-def dp_loss_weight(layout, dp_rank: int) -> float | None:
-    """Each micro-batch's loss multiplier on this data-parallel rank: dp x its micro-batch / the global batch
-    (sequences all hold seq_len tokens, so this is its token share); None when the split is even (1 / M)."""
-    if not layout.dp_micro_batches:
-        return None
-    return layout.dp * layout.dp_micro_batches[dp_rank] / layout.global_batch
 
 
 def dp_shares(layout) -> tuple[int, ...]:

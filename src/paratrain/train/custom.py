@@ -8,7 +8,9 @@ the structure of paratrain's model families, so they are refused with one line.
 
 Data: a callable `data(indices: np.ndarray) -> (inputs, targets)`, a pure function of the sample indices (so
 every strategy sees the same global batch, as with presets), or a paratrain data spec string ("synthetic" or
-a token file) for language models taking (batch, seq) token ids; then `vocab_size` must be set.
+a token file) for language models taking (batch, seq) token ids; then `vocab_size` must be set. Also a torch
+Dataset (train/data/torch_data.py), or an object of one's own implementing the Source protocol
+(train/data/source.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.train.data.indexed_sets import Batch
+from paratrain.train.data.indexed_sets import Batch, BatchSource, IndexedSet
 
 
 @dataclass
@@ -62,8 +64,11 @@ class CustomModel:
         return self.tp_plan(model) if callable(self.tp_plan) else dict(self.tp_plan)
 
     def dataset(self, cfg):
+        from paratrain.train.data.source import Source
         from paratrain.train.data.torch_data import TorchData, is_torch_dataset
 
+        if isinstance(self.data, Source):  # the user's own implementation of the protocol (train/data/source.py)
+            return self.data
         if is_torch_dataset(self.data):  # a torch Dataset / IterableDataset: read by a DataLoader, sharded by us
             return TorchData(self.data)
         if callable(self.data):
@@ -81,14 +86,11 @@ class CustomModel:
         return {"custom": self.name, "parameters": len(shapes), "shapes_sha256": digest}
 
 
-class FunctionDataset:
+class FunctionDataset(IndexedSet):
     """A user's data function as a data set: batch(indices) -> Batch(inputs, targets)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
-
-    def entropy_floor(self) -> None:
-        return None
 
     def batch(self, indices: np.ndarray) -> Batch:
         out = self.fn(indices)
@@ -96,6 +98,18 @@ class FunctionDataset:
             raise UserError("a custom data function must return (inputs, targets)")
         inputs, targets = (torch.as_tensor(x) for x in out)
         return Batch(inputs, targets)
+
+    def batch_source(self, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                     shares: tuple[int, ...] = (), workers: int = 1) -> FunctionBatches:
+        return FunctionBatches(self, global_batch, dp_rank, dp_size, micro_batch, shares)
+
+
+class FunctionBatches(BatchSource):
+    """BatchSource over a data function: a step's rows are the function's batch of their indices, not token
+    windows."""
+
+    def rank_batch(self, step: int) -> Batch:
+        return self.dataset.batch(self.rank_indices(step))
 
 
 def check_custom_run(cfg, world_size: int, custom: CustomModel):

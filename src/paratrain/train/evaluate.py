@@ -96,20 +96,18 @@ def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_b
 
 
 def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
-    total = torch.zeros((), device=runner.device)
+    """This rank's share of the mean, each micro-batch weighted as in training (parallel/loss_weighting.py)."""
+    weighting, total = runner.loss_weighting, torch.zeros((), device=runner.device)
     for mb in micro:
         inputs, targets, extra = batch_inputs(runner.prepare_batch, mb)
         with runner.loss_context():  # TP: the logits stay vocab-sharded, as in training
             with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
                 logits = runner.model(inputs, **extra)
-            if mb.global_tokens is not None:  # document data: the mean over the real tokens, as in training
-                total += plain_loss(real_token_loss(runner.loss_fn, logits, targets, mb, runner.loss_reducers)
-                                    .detach().float())
+            if mb.global_tokens is not None:  # document data: the mean over the real tokens
+                total += plain_loss(real_token_loss(runner.loss_fn, logits, targets, mb, weighting).detach().float())
                 continue
             loss = runner.loss_fn(logits, targets).detach().float()
-        # --dp-batch-split: weighted by this rank's share, as in training (PlainStep.loss_weight)
-        weight = runner.loss_weight
-        total += plain_loss(loss) / len(micro) if weight is None else plain_loss(loss) * weight
+        total += weighting.dense_loss(plain_loss(loss), len(micro))
     return total
 
 

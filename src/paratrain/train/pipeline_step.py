@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
 
 from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.options import PP_SCHEDULES
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pp.pipeline_split import carve_stage, split_into_stages, stage_ranks
@@ -104,7 +105,8 @@ class PipelineStep:
     A StepRunner (train/step_runner.py)."""
 
     def __init__(self, schedule, stages: list[PipelineStage], parts: list[nn.Module], layout: Layout,
-                 device: torch.device, last_pp_rank: int, tied_grad_sum=None):
+                 device: torch.device, last_pp_rank: int, tied_grad_sum=None,
+                 loss_weighting: LossWeighting | None = None):
         self.schedule, self.stages, self.model_parts = schedule, stages, parts
         self.tied_grad_sum = tied_grad_sum  # a tied embedding: the end stages' copies summed after backward
         self.layout, self.device, self.microbatches = layout, device, layout.microbatches
@@ -117,27 +119,23 @@ class PipelineStep:
             self.clock.instrument(stage)
         self._losses: list[torch.Tensor] = []
         self.last_timing: dict | None = None
-        # document data: the global batch's count of real targets (set per step), and the ranks the loss and
-        # gradients are averaged over (train/step.py's real_token_loss)
-        self._global_tokens: int | None = None
-        self.loss_reducers = layout.dp * layout.cp
+        self._global_tokens: int | None = None  # document data: the global batch's count of real targets (per step)
+        self.loss_weighting = loss_weighting or LossWeighting.on_this_rank(layout)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per micro-batch mean loss. The schedule then divides the grads by the micro-batch count
-        (scale_grads=True), so grads equal those of the mean loss over the rank's whole batch.
-
-        Document data: the micro-batch's summed loss over the global batch's real targets (times the reducers),
-        so the micro-batches' terms add up to the mean over the real targets however they are spread; times
-        the micro-batch count, which scale_grads divides back out."""
+        """A micro-batch's loss for the schedule, which divides the grads by the micro-batch count itself
+        (scale_grads=True): its mean loss, or for document data its term of the mean over the global batch's
+        real targets times the micro-batch count (parallel/loss_weighting.py)."""
         t0 = time.perf_counter()
+        weighting = self.loss_weighting
         if self._global_tokens is None:
-            loss = lm_loss(logits, targets)
+            loss = weighting.dense_loss(lm_loss(logits, targets))
             self._losses.append(loss.detach())
         else:
             summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            share = summed * (self.loss_reducers / max(self._global_tokens, 1))
-            self._losses.append(share.detach())
-            loss = share * self.microbatches
+            term = summed * weighting.summed_token_factor(self._global_tokens)
+            self._losses.append(term.detach())
+            loss = weighting.for_backward(term)
         self.clock.busy_s += time.perf_counter() - t0
         return loss
 
@@ -160,7 +158,7 @@ class PipelineStep:
         if not self.has_last:
             return torch.zeros((), device=self.device)
         losses = torch.stack(self._losses[-self.microbatches:]).float()
-        return losses.mean() if self._global_tokens is None else losses.sum()
+        return self.loss_weighting.rank_share(losses, dense=self._global_tokens is None)
 
     def evaluate_loss(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward only (validation): this rank's loss as forward_backward computes it."""
@@ -198,7 +196,7 @@ class PipelineStep:
         if dp_cp is not None:
             group = dp_cp.get_group()
             collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(value, group=group), (value,))
-            value /= dp_cp.size()
+            value = self.loss_weighting.global_mean(value)
         return value
 
     def build_optimizers(self, cfg) -> list:
@@ -238,7 +236,7 @@ class PipelineStep:
 
 
 def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, seq_len: int,
-                        tp_plan_for=None, hooks=None) -> PipelineStep:
+                        tp_plan_for=None, hooks=None, loss_weighting: LossWeighting | None = None) -> PipelineStep:
     """Split `model` into stages, keep this rank's, parallelize each (TP/FSDP/DDP), and build the schedule.
 
     tp_plan_for(stage_module) gives each stage's TP plan when tp > 1 (the model family's, from the caller).
@@ -246,7 +244,7 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
     blocks per stage. A tied embedding: the first and last stages each hold a copy, their gradients summed after
     each schedule step (parallel/tied_weights.py). `hooks` (train/hooks.py): after_parallelize sees each stage's
     module, on_pipeline_stage each PipelineStage before the busy clock wraps it (so what a hook adds to a chunk
-    counts as busy).
+    counts as busy). `loss_weighting`: the trainer's (parallel/loss_weighting.py); default: this rank's.
     """
     specs = split_into_stages(model, layout.pp, layout.virtual_stages, seq_len, layout.pp_layers)
     ranks = stage_ranks(layout.pp, len(specs))
@@ -279,7 +277,7 @@ def build_pipeline_step(model: nn.Module, layout: Layout, device: torch.device, 
     tied_sum = None
     if table is not None:
         tied_sum = TiedGradSum(tied_copy, end_stage_groups(layout.mesh, "pp", device.type))
-    step = PipelineStep(None, stages, parts, layout, device, ranks[-1], tied_sum)
+    step = PipelineStep(None, stages, parts, layout, device, ranks[-1], tied_sum, loss_weighting)
     cls = SCHEDULES[layout.pp_schedule]
     stage_arg = stages if cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) else stages[0]
     step.schedule = cls(stage_arg, layout.microbatches, loss_fn=step.loss_fn, scale_grads=True)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.collective_hooks import collective
+from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.tied_weights import is_tied_copy
 from paratrain.train.data.indexed_sets import Batch
 from paratrain.train.step_runner import run_after_optimizer_step
@@ -61,13 +62,12 @@ def batch_inputs(prepare_batch, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, 
     return inputs, targets, extra
 
 
-def real_token_loss(loss_fn, logits, targets, mb: Batch, reducers: int) -> torch.Tensor:
-    """This micro-batch's part of the mean over the global batch's real tokens, times `reducers` (the ranks the
-    gradients and the loss are averaged over: dp x cp), so that the average over them is that mean."""
+def real_token_loss(loss_fn, logits, targets, mb: Batch, weighting: LossWeighting) -> torch.Tensor:
+    """This micro-batch's term of the mean over the global batch's real tokens (parallel/loss_weighting.py)."""
     count = (targets != -100).sum()
     if int(count) == 0:  # every target here is padding or a boundary: no loss, but a graph for backward
         return plain_loss(logits).float().sum() * 0.0
-    return loss_fn(logits, targets) * (count * reducers / mb.global_tokens)
+    return loss_fn(logits, targets) * weighting.real_token_factor(count, mb.global_tokens)
 
 
 def _no_grad_sync(model: nn.Module, last: bool):
@@ -93,18 +93,16 @@ class PlainStep:
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
                  prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False,
-                 loss_weight: float | None = None, hooks=None, loss_reducers: int = 1):
+                 loss_weighting: LossWeighting | None = None, hooks=None):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
         self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
         self.loss_parallel = loss_parallel  # TP: vocab-sharded logits; loss and backward under loss_parallel()
         self.mark_graph_steps = mark_graph_steps  # --cuda-graphs: each forward starts a new captured step
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
-        # each micro-batch's loss multiplier; None: 1 / micro-batches. --dp-batch-split sets dp x this rank's
-        # micro-batch / global batch, so the dp-averaged gradient is the global token-weighted mean
-        self.loss_weight = loss_weight
+        # each micro-batch's loss multiplier (parallel/loss_weighting.py); default: one rank, 1 / micro-batches
+        self.loss_weighting = loss_weighting or LossWeighting()
         self.hooks = hooks  # train/hooks.py: around_compute wraps each micro-batch's forward + backward
-        self.loss_reducers = loss_reducers  # dp x cp: real_token_loss's scale for document data
 
     def loss_context(self):
         if not self.loss_parallel:
@@ -146,10 +144,9 @@ class PlainStep:
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
                     logits = self.model(inputs, **extra)
                 if mb.global_tokens is not None:
-                    loss = real_token_loss(self.loss_fn, logits, targets, mb, self.loss_reducers)
+                    loss = real_token_loss(self.loss_fn, logits, targets, mb, self.loss_weighting)
                 else:
-                    loss = self.loss_fn(logits, targets)
-                    loss = loss / n if self.loss_weight is None else loss * self.loss_weight
+                    loss = self.loss_weighting.dense_loss(self.loss_fn(logits, targets), n)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss = loss.detach()
             total += plain_loss(loss)

@@ -7,7 +7,6 @@ import functools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,11 +24,13 @@ from paratrain.models.presets import build_model, flops_per_token, model_args_fo
 from paratrain.parallel.collective_hooks import collective, set_step
 from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.parallel.uneven_split import dp_loss_weight, dp_shares
-from paratrain.train.data.source import make_batch_source, make_prefetcher, make_train_data
+from paratrain.parallel.uneven_split import dp_shares
+from paratrain.train.data.source import make_train_data
 from paratrain.train.evaluate import build_validator, evaluate, perplexity
+from paratrain.train.fit_summary import FitRun, fit_summary, log_run_start
 from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.host_memory import ResidentBaseline
@@ -37,7 +38,6 @@ from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary,
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
 from paratrain.train.precision import enable_tf32, peak_dtype
-from paratrain.train.readable_numbers import plural, readable_count
 from paratrain.train.recovery import checkpoint as ckpt
 from paratrain.train.recovery.run_failures import RunFailed
 from paratrain.train.runtime import Runtime
@@ -46,18 +46,6 @@ from paratrain.train.step_record import LaunchedStep, PendingSteps, StepTiming
 from paratrain.train.step_runner import StepRunner
 
 log = logging.getLogger("paratrain")
-
-
-@dataclass
-class FitRun:
-    """Where fit()'s completed records go, and what they add up to."""
-    steplog: StepLog | None
-    monitor: object
-    on_step: object
-    history: list = field(default_factory=list)
-    total_time: float = 0.0  # seconds of the measured steps (those after the first)
-    measured_steps: int = 0
-    tokens_per_s: float = 0.0  # the latest record's
 
 
 class Trainer:
@@ -122,13 +110,13 @@ class Trainer:
 
         dataset = custom.dataset(cfg) if custom else make_train_data(cfg, self.args.vocab_size)
         self.floor = dataset.entropy_floor()
-        self.data_tokens = dataset.num_tokens() if hasattr(dataset, "num_tokens") else None
+        self.data_tokens = dataset.num_tokens()
         dp_rank, dp_size = data_shard or (self.dp_rank, self.layout.dp)
         micro, shares = self.layout.micro_batch_of(dp_rank), dp_shares(self.layout)  # shares: --dp-batch-split
         if data_shard:
             micro = min(micro, cfg.global_batch // dp_size)
-        self.source = make_batch_source(dataset, cfg.global_batch, dp_rank, dp_size, micro, shares,
-                                        workers=cfg.data_workers)
+        self.source = dataset.batch_source(cfg.global_batch, dp_rank, dp_size, micro, shares,
+                                           workers=cfg.data_workers)
         self.validator = None if custom else \
             build_validator(cfg, self.args.vocab_size, dp_rank, dp_size, micro, shares)
         self.last_val: dict = {}
@@ -190,10 +178,13 @@ class Trainer:
         layout = self.layout
         use_autocast = layout.dtype != "fp32"
         plan_for = self._plan_for()
+        # every micro-batch's loss factor and the loss's reduction (parallel/loss_weighting.py)
+        self.loss_weighting = LossWeighting.of(layout, self.dp_rank)
         if layout.splits_stages:
             from paratrain.train.pipeline_step import build_pipeline_step
 
-            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, self.hooks)
+            return build_pipeline_step(model, layout, self.rt.device, self.cfg.seq_len, plan_for, self.hooks,
+                                       self.loss_weighting)
         prepare = None
         if layout.splits_sequences:
             from paratrain.parallel.cp.context_parallel import sequence_sharder
@@ -222,11 +213,12 @@ class Trainer:
         # DTensor logits stay eager: the loss_parallel() context is not traced
         if (layout.compile or graphs) and not layout.splits_within_layers:
             loss_fn = compile_loss(loss_fn)
+        weighting = self.loss_weighting
+        self.loss_weighting = weighting.with_dense_weight(
+            self.hooks.apply_loss_weight(layout, self.dp_rank, weighting.dense_weight))
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
-                         loss_parallel=loss_parallel, mark_graph_steps=graphs,
-                         loss_weight=self.hooks.apply_loss_weight(layout, self.dp_rank,
-                                                                  dp_loss_weight(layout, self.dp_rank)),
-                         hooks=self.hooks, loss_reducers=layout.dp * layout.cp)
+                         loss_parallel=loss_parallel, mark_graph_steps=graphs, loss_weighting=self.loss_weighting,
+                         hooks=self.hooks)
 
     def _build_optimizers(self) -> list:
         cfg = self.cfg
@@ -264,6 +256,11 @@ class Trainer:
                 log.info("nothing left to train: the checkpoint is at step %d of --steps %d", self.step,
                          self.cfg.steps)
 
+    def checkpoint_due(self) -> bool:
+        """Whether the step just taken is one of --ckpt-every's, in a run that has a checkpoint directory."""
+        cfg = self.cfg
+        return bool(cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir())
+
     def save_checkpoint(self) -> Path:
         if self.run_id is None:  # saved without maybe_resume(): a fresh lineage
             self.run_id = ckpt.new_run_id()
@@ -276,21 +273,109 @@ class Trainer:
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def fit(self, on_step=None) -> dict:
+        """Train from the resumed step to --steps. Each step: its micro-batches from the loader, launched
+        (train_step below: zero_grad, forward and backward, optimizer_step, global_loss), its record completed
+        (complete_record; one step late when nothing needs it at once: train/step_record.py), then a checkpoint
+        when one is due. `on_step(trainer, record)` sees each step's record. Returns the run's summary."""
+        cfg = self.cfg
+        self.maybe_resume()
+        steplog = StepLog(self.run_dir, cfg.steps, self.floor, enabled=cfg.metrics, quiet=self.quiet,
+                          start_step=self.step) if self.rt.is_main else None
+        log_run_start(self)
+        loader = self.open_loader()
+        monitor = self.start_monitor(steplog) if cfg.monitor else None
+        monitor_clock = self.hooks.on_phase(monitor.clock.on_phase) if monitor else None
+        run = FitRun(steplog, monitor, on_step)
+        pending = PendingSteps(self.defers_records(on_step, monitor), functools.partial(self.complete_record, run=run))
+        # wall_s / cpu_s: stamped at the top of every step, so consecutive differences hold everything between
+        # (logging, --monitor's windows, callbacks), which step_time_s does not
+        loop_wall, loop_cpu = time.perf_counter(), time.process_time()
+        try:
+            while self.step < cfg.steps:
+                timing = StepTiming(self.rt.device)
+                wall_s, cpu_s = timing.t0 - loop_wall, time.process_time() - loop_cpu
+                loader = self.follow_data_position(loader)
+                micro, waited = loader.next_step()
+                out = self.launch_step(micro) if pending.defer else self.train_step(micro)
+                launched = LaunchedStep.launched(self.step, out, timing, data_wait_s=waited,
+                                                 mem_peak_gib=self.memory_gib(), wall_s=wall_s, cpu_s=cpu_s)
+                pending.add(launched, read_now=self.needs_record_now())  # deferring: the previous step's record
+                if self.stop_reason is not None:
+                    break
+                if self.checkpoint_due():
+                    self.save_checkpoint()
+            pending.finish()
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the records already there; the failure is what is reported
+                pending.complete_ready()
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise self.out_of_memory() from None
+            raise
+        finally:
+            self.end_run(loader, monitor, monitor_clock, steplog)
+        return fit_summary(self, run)
+
+    def open_loader(self):
+        """This rank's loader (train/data/source.py's StepLoader) from the source's position: pinned batches on
+        CUDA, and the before_batch hooks called before each step's batch is read."""
+        return self.source.prefetcher(pin=self.rt.device_type == "cuda", timeout_s=self.cfg.timeout_s,
+                                      before_batch=self._before_batch())
+
+    def follow_data_position(self, loader):
+        """`loader`, or a new one where a hook moved the source's position (a healed replica's data position)."""
+        if loader.position == self.source.step:
+            return loader
+        loader.close()
+        return self.open_loader()
+
+    def end_run(self, loader, monitor, monitor_clock, steplog) -> None:
+        """fit()'s end, failed or not: stop the loader and --monitor, write the memory snapshot, close the log."""
+        loader.close()
+        if monitor:
+            monitor.close()
+            monitor_clock.remove()
+        self.mem_snapshot.finish()
+        if steplog:
+            steplog.close()
+
     # -- the step -------------------------------------------------------------------------------------------
-    def global_loss(self, local: torch.Tensor, read: bool = True) -> float | torch.Tensor:
-        """The mean loss over dp x cp (or the runner's own reduction). read=False: a tensor left on the device
-        (no host sync), unless the runner's reduction already read it (a pipeline's)."""
-        reduced = self.step_runner.reduce_loss(local)
-        if reduced is not None:
-            return float(reduced) if read else reduced
-        if self.distributed:
-            mesh = self.layout.submesh("dp_cp")
-            if mesh is not None:
-                local, group = local.clone(), mesh.get_group()
-                collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(local, group=group),
-                           (local,))
-                local /= mesh.size()
-        return float(local.item()) if read else local
+    def train_step(self, micro_batches) -> dict:
+        """One optimizer step on these micro-batches, through the wrap_step hooks: {"loss", "lr", "grad_norm"}
+        as floats (on CUDA, reading them waits for the step)."""
+        return self._through_hooks(micro_batches, read=True)
+
+    def launch_step(self, micro_batches) -> dict:
+        """train_step without the host reads: "loss" and "grad_norm" stay tensors on the device, so on CUDA the
+        call returns once the step's work is queued (fit()'s deferred records, train/step_record.py)."""
+        return self._through_hooks(micro_batches, read=False)
+
+    def _through_hooks(self, micro_batches, read: bool) -> dict:
+        step = functools.partial(self._train_step, read=read)
+        if not self.hooks.has("wrap_step"):
+            return step(micro_batches)
+        return self.hooks.run_step(self, micro_batches, step)
+
+    def _train_step(self, micro_batches, read: bool = True) -> dict:
+        """The step itself: zero the gradients; forward and backward over the micro-batches in the step runner
+        (train/step.py's PlainStep, or train/pipeline_step.py's schedule); optimizer_step; global_loss. Each
+        phase's end is marked for the on_phase hooks."""
+        hooks = self.hooks  # on_phase: doctor's phase timer, --monitor's clock (they only read clocks)
+        set_step(self.step + 1)
+        hooks.phase("start")
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
+        hooks.phase("forward_backward")
+        lr, norm = self.optimizer_step()
+        if read:  # inside the phase that waits for it, as --monitor's clock expects
+            norm = float(norm)
+        hooks.phase("optimizer")
+        self.step += 1
+        loss = self.global_loss(local, read)
+        hooks.phase("loss_sync")
+        return {"loss": loss, "lr": lr, "grad_norm": norm}
 
     def optimizer_step(self) -> tuple[float, torch.Tensor]:
         """Unscale, clip, step: (the learning rate, the gradient norm before clipping, on the device)."""
@@ -313,110 +398,22 @@ class Trainer:
         self.step_runner.after_optimizer_step()  # e.g. local SGD's periodic parameter averaging
         return lr, norm
 
-    def train_step(self, micro_batches) -> dict:
-        """One optimizer step on these micro-batches, through the wrap_step hooks: {"loss", "lr", "grad_norm"}
-        as floats (on CUDA, reading them waits for the step)."""
-        return self._through_hooks(micro_batches, read=True)
+    def global_loss(self, local: torch.Tensor, read: bool = True) -> float | torch.Tensor:
+        """The mean loss over dp x cp (or the runner's own reduction). read=False: a tensor left on the device
+        (no host sync), unless the runner's reduction already read it (a pipeline's)."""
+        reduced = self.step_runner.reduce_loss(local)
+        if reduced is not None:
+            return float(reduced) if read else reduced
+        if self.distributed:
+            mesh = self.layout.submesh("dp_cp")
+            if mesh is not None:
+                local, group = local.clone(), mesh.get_group()
+                collective("loss", "dp_cp", "all_reduce", group, lambda: dist.all_reduce(local, group=group),
+                           (local,))
+                local = self.loss_weighting.global_mean(local)
+        return float(local.item()) if read else local
 
-    def launch_step(self, micro_batches) -> dict:
-        """train_step without the host reads: "loss" and "grad_norm" stay tensors on the device, so on CUDA the
-        call returns once the step's work is queued (fit()'s deferred records, train/step_record.py)."""
-        return self._through_hooks(micro_batches, read=False)
-
-    def _through_hooks(self, micro_batches, read: bool) -> dict:
-        step = functools.partial(self._train_step, read=read)
-        if not self.hooks.has("wrap_step"):
-            return step(micro_batches)
-        return self.hooks.run_step(self, micro_batches, step)
-
-    def _train_step(self, micro_batches, read: bool = True) -> dict:
-        hooks = self.hooks  # on_phase: doctor's phase timer, --monitor's clock (they only read clocks)
-        set_step(self.step + 1)
-        hooks.phase("start")
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        local = self.step_runner.forward_backward([mb.to(self.rt.device, non_blocking=True) for mb in micro_batches])
-        hooks.phase("forward_backward")
-        lr, norm = self.optimizer_step()
-        if read:  # inside the phase that waits for it, as --monitor's clock expects
-            norm = float(norm)
-        hooks.phase("optimizer")
-        self.step += 1
-        loss = self.global_loss(local, read)
-        hooks.phase("loss_sync")
-        return {"loss": loss, "lr": lr, "grad_norm": norm}
-
-    # -- the loop -----------------------------------------------------------------------------------------------
-    def fit(self, on_step=None) -> dict:
-        cfg = self.cfg
-        self.maybe_resume()
-        main = self.rt.is_main
-        steplog = StepLog(self.run_dir, cfg.steps, self.floor, enabled=cfg.metrics, quiet=self.quiet or not main,
-                          start_step=self.step) if main else None
-        if main and not self.quiet:
-            floor = f", entropy floor {self.floor:.4f} nats" if self.floor is not None else ""
-            # a --heal-replicas replica (data_shard) is one device of a run of `count` replicas: describe the run
-            shape, world = (f"{self.data_shard[1]} replicas, --heal-replicas", self.data_shard[1]) \
-                if self.data_shard else (self.layout.describe(), self.layout.world)
-            log.info("training %s (%s params) with %s [%s] on %d x %s%s", self.model_name,
-                     readable_count(self.param_count), cfg.strategy, shape, world, self.rt.device_type, floor)
-        if main and not self.quiet and self.data_tokens is not None:
-            self.log_data()
-        prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda", timeout_s=cfg.timeout_s,
-                                   before_batch=self._before_batch())
-        monitor = self.start_monitor(steplog) if cfg.monitor else None
-        monitor_clock = self.hooks.on_phase(monitor.clock.on_phase) if monitor else None
-        run = FitRun(steplog, monitor, on_step)
-        pending = PendingSteps(self.defers_records(on_step, monitor), functools.partial(self.complete_record, run=run))
-        # wall_s / cpu_s: stamped at the top of every step, so consecutive differences hold everything between
-        # (logging, --monitor's windows, callbacks), which step_time_s does not
-        loop_wall, loop_cpu = time.perf_counter(), time.process_time()
-        try:
-            while self.step < cfg.steps:
-                timing = StepTiming(self.rt.device)
-                wall_s, cpu_s = timing.t0 - loop_wall, time.process_time() - loop_cpu
-                if prefetch.position != self.source.step:  # moved by a hook: a healed replica's data position
-                    prefetch.close()
-                    prefetch = make_prefetcher(self.source, pin=self.rt.device_type == "cuda",
-                                               timeout_s=cfg.timeout_s, before_batch=self._before_batch())
-                micro, waited = prefetch.next_step()
-                out = self.launch_step(micro) if pending.defer else self.train_step(micro)
-                launched = LaunchedStep.launched(self.step, out, timing, data_wait_s=waited,
-                                                 mem_peak_gib=self.memory_gib(), wall_s=wall_s, cpu_s=cpu_s)
-                pending.add(launched, read_now=self.needs_record_now())  # deferring: the previous step's record
-                if self.stop_reason is not None:
-                    break
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.ckpt_dir():
-                    self.save_checkpoint()
-            pending.finish()
-        except BaseException as exc:
-            with contextlib.suppress(Exception):  # the records already there; the failure is what is reported
-                pending.complete_ready()
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                raise self.out_of_memory() from None
-            raise
-        finally:
-            prefetch.close()
-            if monitor:
-                monitor.close()
-                monitor_clock.remove()
-            self.mem_snapshot.finish()
-            if steplog:
-                steplog.close()
-        history, total_time, measured_steps = run.history, run.total_time, run.measured_steps
-        loss = history[-1]["loss"] if history else None  # nothing left to train (resumed at --steps): no loss
-        avg_tps = self.tokens_per_step * measured_steps / total_time if total_time else run.tokens_per_s
-        avg_mfu = (self.flops_per_step * measured_steps / total_time / (self.peak_tflops * 1e12 * self.layout.world)
-                   if (self.peak_tflops and total_time) else None)
-        return {"steps": self.step, "final_loss": loss, "loss_floor": self.floor, "tokens_per_s": avg_tps,
-                "mfu": avg_mfu, "peak_mem_gib": self.memory_gib(),
-                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-                "run_dir": str(self.run_dir) if self.run_dir else None, "strategy": self.cfg.strategy,
-                "dims": self.layout.degrees(), "world_size": self.layout.world, "layout": self.layout.to_dict(),
-                "losses": [r["loss"] for r in history], "predicted_peak_gib": self.predicted_peak_gib,
-                "stopped": self.stop_reason,
-                **self.last_val, **self.data_summary()}
-
+    # -- a step's record ------------------------------------------------------------------------------------
     def defers_records(self, on_step, monitor) -> bool:
         """Whether fit() may complete a step's record after launching the next step (train/step_record.py): only
         when nothing needs the record before then: no on_step callback, after_step hook or --monitor (they may
@@ -431,7 +428,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         return (step >= cfg.steps or self.stop_reason is not None
                 or bool(self.validator and cfg.eval_every and step % cfg.eval_every == 0)
-                or bool(cfg.ckpt_every and step % cfg.ckpt_every == 0 and self.ckpt_dir()))
+                or self.checkpoint_due())
 
     def complete_record(self, launched: LaunchedStep, run: FitRun) -> None:
         """Step `launched.step`'s record: its values read, checked, then handed on in order (metrics.jsonl,
@@ -493,21 +490,6 @@ class Trainer:
             measured_gib, what = self.host_baseline.peak_above(), self.host_baseline.describe()
         log.info("memory at step 2: predicted %.3g GiB per device, measured %.3g GiB (%s): %.2fx",
                  self.predicted_peak_gib, measured_gib, what, measured_gib / self.predicted_peak_gib)
-
-    def data_summary(self) -> dict:
-        if hasattr(self.source, "tokens_drawn"):  # document data: the tokens each --data source gave
-            return {"tokens_per_source": self.source.tokens_drawn()}
-        if self.data_tokens is None:
-            return {}
-        return {"data_tokens": self.data_tokens, "epochs": self.step * self.tokens_per_step / self.data_tokens}
-
-    def log_data(self) -> None:
-        """One line: how big the data file is against the run (tokens, documents, steps per epoch)."""
-        docs = self.source.dataset.meta.get("documents") if getattr(self.source.dataset, "meta", None) else None
-        per_epoch = self.data_tokens / self.tokens_per_step
-        log.info("data %s: %s tokens%s; one epoch = %.1f steps of %s tokens (this run: %.2f epochs)",
-                 self.cfg.data, f"{self.data_tokens:,}", f", {plural(docs, 'document')}" if docs else "", per_epoch,
-                 f"{self.tokens_per_step:,}", self.cfg.steps / per_epoch)
 
     def out_of_memory(self) -> UserError:
         """Dump the allocator state, then name the snapshot and the planner's fix in one line."""

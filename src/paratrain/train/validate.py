@@ -9,13 +9,13 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.hf_files import is_hf_model, read_hf_config
 from paratrain.models.presets import model_args_for
+from paratrain.models.speed import model_speed_for
 from paratrain.parallel.checks import check_layout
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.strategies import resolve_layout, world_size_of
-from paratrain.parallel.tp.tp_technique import check_tp_divides
+from paratrain.parallel.tp.tp_technique import check_tp_divides, check_tp_speed
 from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data.source import make_train_data
-from paratrain.train.data.stream_loader import DocumentData
 from paratrain.train.hf_run_checks import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.train.memory_snapshot import check_memory_snapshot
 from paratrain.train.precision import check_precision
@@ -42,14 +42,13 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
         check_tp_divides(args, cfg.tp)
     layout = resolve_layout(cfg, world_size)
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
+    check_tp_speed(model_speed_for(cfg), layout.tp)
     if is_hf_model(cfg.model):  # what a transformers model cannot run, before any process starts
         check_hf_run(layout, cfg, args)
         warn_past_trained_positions(cfg)
         warn_unapplied_balancing_loss(layout, cfg)
     check_precision(cfg, layout, device_type)
-    dataset = make_train_data(cfg, args.vocab_size)
-    if isinstance(dataset, DocumentData):
-        dataset.check()
+    make_train_data(cfg, args.vocab_size).check()
     from paratrain.train.evaluate import build_validator
 
     validator = build_validator(cfg, args.vocab_size)

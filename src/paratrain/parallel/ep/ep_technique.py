@@ -23,14 +23,16 @@ class ExpertParallel(Technique):
 
     def apply(self, model, layout, tp_plan: dict | None = None):
         from paratrain.parallel.ep.expert_parallel import apply_ep, attach_moe, moe_modules
+        from paratrain.parallel.loss_weighting import LossWeighting
 
+        weighting = LossWeighting.on_this_rank(layout)
         if moe_modules(model):
-            attach_moe(model, layout)
+            attach_moe(model, layout, weighting)
         if not self.enabled(layout):
             return model
         from paratrain.parallel.dp.data_parallel import mixed_precision_policy
 
-        return apply_ep(model, layout.submesh("ep"), layout.submesh("ep_rest"), layout.group_size("dp_cp"),
+        return apply_ep(model, layout.submesh("ep"), layout.submesh("ep_rest"), weighting,
                         reshard_after_forward=layout.zero_stage != 2, mp_policy=mixed_precision_policy(layout.dtype))
 
     def breaks_compiled_graph(self, model, layout) -> bool:

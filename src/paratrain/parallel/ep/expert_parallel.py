@@ -51,13 +51,12 @@ def check_ep(args, layout, seq_len: int | None = None) -> None:
 
 
 # -- every MoE run: global balancing-loss counts and the micro-batch weight ----------------------------------
-def attach_moe(model: nn.Module, layout) -> None:
-    """Make the balancing loss count tokens over all data ranks (dp x cp) and weigh it like one micro-batch."""
+def attach_moe(model: nn.Module, layout, weighting) -> None:
+    """Make the balancing loss count tokens over all data ranks (dp x cp) and weigh it like one micro-batch
+    (`weighting`: the run's LossWeighting, parallel/loss_weighting.py)."""
     group_mesh = layout.submesh("dp_cp") if layout.world > 1 else None
     for moe in moe_modules(model):
-        # a pipeline schedule scales every gradient by 1 / micro-batches itself (scale_grads); the plain step
-        # divides each micro-batch's loss
-        moe.aux_scale = 1.0 if layout.pp > 1 else 1.0 / layout.microbatches
+        moe.aux_scale = weighting.aux_scale
         if group_mesh is not None and moe.reduce_counts is not None:
             moe.reduce_counts = CountReducer(group_mesh.get_group())
 
@@ -76,11 +75,11 @@ class CountReducer:
 
 
 # -- ep > 1 ---------------------------------------------------------------------------------------------------
-def apply_ep(model: nn.Module, ep_mesh, rest_mesh, grad_divide: int, reshard_after_forward: bool = True,
+def apply_ep(model: nn.Module, ep_mesh, rest_mesh, weighting, reshard_after_forward: bool = True,
              mp_policy=None) -> nn.Module:
     """Split each MoE layer's experts over `ep_mesh` (Shard(0) on the expert dim), send tokens through the
     all-to-all, and FSDP-shard the experts over `rest_mesh` (the other ranks of dp_shard x cp). Their gradients
-    sum the tokens of all ep ranks; dividing by every data rank (`grad_divide`) makes them the global mean."""
+    sum the tokens of all ep ranks; `weighting` (the run's LossWeighting) scales them to the global mean."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -91,9 +90,8 @@ def apply_ep(model: nn.Module, ep_mesh, rest_mesh, grad_divide: int, reshard_aft
             whole = p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # TP keeps experts whole
             split = distribute_tensor(whole, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(split, requires_grad=p.requires_grad))
-        # FSDP divides the experts' gradients by the rest ranks; they sum ep ranks' tokens as well, so scale
-        # them by rest / (all data ranks) once more (in the token path: gloo has no pre-multiplied reduce-scatter)
-        weight_grad_scale = rest_mesh.size() / grad_divide
+        # in the token path: gloo has no pre-multiplied reduce-scatter
+        weight_grad_scale = weighting.expert_weight_grad_scale(rest_mesh.size())
         moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size(), weight_grad_scale)
         kwargs = {"mesh": rest_mesh, "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:

@@ -13,6 +13,12 @@ def check_tp_divides(args, tp: int) -> None:
         args.check_tp_divides(tp)
 
 
+def check_tp_speed(speed, tp: int) -> None:
+    """The model's speed options (models/speed.py) that tensor parallelism cannot split yet."""
+    if tp > 1:
+        speed.refuse_head_split(tp)
+
+
 def check_tp_with_dp(layout) -> None:
     """TP composes with FSDP (2-D) but not with DDP: DDP broadcasts and buckets plain tensors, not DTensors."""
     if layout.tp > 1 and layout.ddp:

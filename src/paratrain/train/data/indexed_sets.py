@@ -52,7 +52,25 @@ class Batch:
         return {"positions": self.positions, "doc_ids": self.doc_ids}
 
 
-class SyntheticMarkov:
+class IndexedSet:
+    """A data set that gives any sample by its global index (`samples(indices)`): the Source (train/data/source.py)
+    of BatchSource. What a subclass does not know (its floor, its size) is None; it opens its files when built."""
+
+    def entropy_floor(self) -> float | None:
+        return None
+
+    def num_tokens(self) -> int | None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def batch_source(self, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                     shares: tuple[int, ...] = (), workers: int = 1) -> BatchSource:
+        return BatchSource(self, global_batch, dp_rank, dp_size, micro_batch, shares)
+
+
+class SyntheticMarkov(IndexedSet):
     """Sequences from a seeded Markov chain whose transition matrix is a mixture of K random permutations.
 
     A mixture of permutation matrices is doubly stochastic, so the stationary distribution is uniform and
@@ -91,7 +109,7 @@ class SyntheticMarkov:
         return out
 
 
-class TokenFile:
+class TokenFile(IndexedSet):
     """Windows of a flat token array: nanoGPT-style .bin (uint16, or uint32 for vocabularies > 65536),
     or the raw bytes of any other file (tokens 0..255).
 
@@ -140,9 +158,6 @@ class TokenFile:
         self.sequential = sequential
         self.path = str(p)
 
-    def entropy_floor(self) -> float | None:
-        return None
-
     def num_tokens(self) -> int:
         return self.hi - self.lo
 
@@ -165,7 +180,7 @@ class TokenFile:
         return out
 
 
-class HeldOut:
+class HeldOut(IndexedSet):
     """Synthetic validation data: the same chain, at sample indices no training step ever draws."""
 
     OFFSET = 1 << 40
@@ -241,17 +256,25 @@ class SlicedSource:
     def accumulation_steps(self) -> int:
         return self.local // self.micro_batch
 
+    def tokens_drawn(self) -> dict[str, int] | None:
+        return None
+
 
 class BatchSource(SlicedSource):
     """Yields this rank's micro-batches for each optimizer step. Position (step) is the only state, so resuming
     is exact."""
 
-    def rank_batch(self, step: int) -> Batch:
+    def rank_indices(self, step: int) -> np.ndarray:
+        """The global sample indices of this rank's rows of step `step`."""
         first = step * self.global_batch + self.offset
-        if hasattr(self.dataset, "batch"):  # a custom model's data function (train/custom.py)
-            return self.dataset.batch(np.arange(first, first + self.local, dtype=np.int64))
-        tokens = torch.from_numpy(self.dataset.samples(np.arange(first, first + self.local, dtype=np.int64)))
+        return np.arange(first, first + self.local, dtype=np.int64)
+
+    def rank_batch(self, step: int) -> Batch:
+        tokens = torch.from_numpy(self.dataset.samples(self.rank_indices(step)))
         return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def prefetcher(self, pin: bool = False, timeout_s: float | None = None, before_batch=None) -> Prefetcher:
+        return Prefetcher(self, pin=pin, timeout_s=timeout_s, before_batch=before_batch)
 
     def next_step(self) -> list[Batch]:
         """Micro-batches for the next optimizer step, and advance the position."""

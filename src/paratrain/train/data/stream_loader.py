@@ -55,6 +55,13 @@ class DocumentData:
     def entropy_floor(self) -> None:
         return None
 
+    def num_tokens(self) -> None:
+        return None
+
+    def batch_source(self, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                     shares: tuple[int, ...] = (), workers: int = 1) -> StreamBatchSource:
+        return StreamBatchSource(self, global_batch, dp_rank, dp_size, micro_batch, shares, workers)
+
     def open(self, state: StreamState | None = None, chunks=None) -> DocumentStream:
         stream = DocumentStream(self.cfg, state, chunks)
         stream.vocab_limit = self.vocab_size
@@ -149,6 +156,9 @@ class StreamBatchSource(SlicedSource):
     def tokens_drawn(self) -> dict[str, int]:
         counts = self.stream_state["tokens_drawn"] if self.stream_state else [0] * len(self.dataset.cfg.sources)
         return {s.pattern: int(n) for s, n in zip(self.dataset.cfg.sources, counts)}
+
+    def prefetcher(self, pin: bool = False, timeout_s: float | None = None, before_batch=None) -> StreamPrefetcher:
+        return StreamPrefetcher(self, pin=pin, timeout_s=timeout_s, before_batch=before_batch)
 
 
 class StreamPrefetcher:

@@ -45,6 +45,16 @@ class TorchData:
     def entropy_floor(self) -> None:
         return None
 
+    def num_tokens(self) -> None:
+        return None
+
+    def check(self) -> None:
+        return None  # nothing to open: the data set is the user's object, checked when it was wrapped
+
+    def batch_source(self, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                     shares: tuple[int, ...] = (), workers: int = 1) -> TorchBatchSource:
+        return TorchBatchSource(self, global_batch, dp_rank, dp_size, micro_batch, shares, workers)
+
 
 class _StepBatches(torch.utils.data.Sampler):
     """Map-style: this rank's sample indices of each step, from `start` on."""
@@ -87,6 +97,9 @@ class TorchBatchSource(SlicedSource):
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+    def prefetcher(self, pin: bool = False, timeout_s: float | None = None, before_batch=None) -> TorchPrefetcher:
+        return TorchPrefetcher(self, pin=pin, timeout_s=timeout_s, before_batch=before_batch)
 
 
 class TorchPrefetcher:
