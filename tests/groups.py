@@ -42,7 +42,11 @@ VERIFY = {
         # MoE: experts split over both ranks, tokens through the all-to-all (tests/moe/; 4 ranks: moe_worker.py)
         {"id": "moe-ep2", "strategy": "ep", "model": "moe-tiny", "steps": 3},
         # with a capacity factor of 0.5: at least half the copies dropped, per sequence (docs/moe.md)
-        {"id": "moe-ep2-capacity", "strategy": "ep", "model": "moe-tiny", "steps": 3, "moe_capacity_factor": 0.5}],
+        {"id": "moe-ep2-capacity", "strategy": "ep", "model": "moe-tiny", "steps": 3, "moe_capacity_factor": 0.5},
+        # the speed options that run on CPU (issue 47): the same arithmetic in fp32, verify's bf16 bounds in bf16
+        {"id": "speed-fused-qkv-zero3", "strategy": "zero3", "fused_qkv": True, "steps": 3},
+        {"id": "speed-gpt2-bf16-zero2", "strategy": "zero2", "model": "gpt2-tiny", "dtype": "bf16", "steps": 3,
+         "fused_qkv": True, "bf16_residual": True}],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},

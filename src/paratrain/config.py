@@ -109,6 +109,11 @@ class _RunFields(BaseModel):
                               "(mode=reduce-overhead)")
     # fp32 logits of one chunk at a time
     loss_chunks: int = Field(1, ge=1, description="cross-entropy in N token chunks (1: plain)")
+    # speed options (models/speed.py): how the model computes, never its parameters or checkpoints
+    bf16_residual: bool = Field(False, description="with --dtype bf16: keep the residual stream between blocks in "
+                                                   "bf16 (the norms' statistics stay fp32; no effect otherwise)")
+    fused_qkv: bool = Field(False, description="Q, K and V as one GEMM over the concatenated weights (the same "
+                                               "parameters and checkpoints; not with --tp yet)")
     ac: Literal[AC_MODES] = Field(AC_MODES[0], description=f"activation checkpointing: {one_of(AC_MODES)}")
     compile: bool = Field(False, description="torch.compile each block")
     memory_snapshot: bool = Field(False, description="CUDA: record memory history; dump a snapshot for "

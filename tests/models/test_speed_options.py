@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from groups import verified
 from paratrain.errors import UserError
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, get_preset
@@ -210,3 +211,12 @@ def test_fused_qkv_with_tensor_parallel_is_refused_in_one_line():
     with pytest.raises(UserError, match="--fused-qkv"):
         tp_plan_for(model, 2)
     assert tp_plan_for(build_model(get_preset("tiny"), "meta", seed=None), 2)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", ["speed-fused-qkv-zero3", "speed-gpt2-bf16-zero2"])
+def test_speed_options_pass_verify_on_two_ranks(two_ranks, case):
+    # --fused-qkv (fp32, llama, ZeRO-3) and both options under bf16 (gpt2, ZeRO-2) against one device
+    report = verified(two_ranks, case)
+    assert report["passed"] is True, report
+    assert report["world_size"] == 2

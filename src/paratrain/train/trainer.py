@@ -21,6 +21,7 @@ from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
+from paratrain.models.speed import model_speed_for
 from paratrain.parallel.collective_hooks import collective, set_step
 from paratrain.parallel.compile import compile_loss
 from paratrain.parallel.layout import Layout
@@ -88,7 +89,7 @@ class Trainer:
             if layout.splits_stages:  # the same modules, seen as embedding / layers / norm / head for the stage split
                 model = pipeline_view(model, self.args)
         else:
-            model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed)
+            model = custom.build_model(cfg.seed) if custom else build_model(self.args, "cpu", seed=cfg.seed, speed=model_speed_for(cfg))
         self.model_name = custom.name if custom else self.args.name
         # counted on the whole model, before any strategy shards it (parameters() counts a tied table once)
         self.param_count = sum(p.numel() for p in model.parameters())
