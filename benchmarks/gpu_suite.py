@@ -1,17 +1,21 @@
 """paratrain's GPU suite: one command that measures the single-GPU step on a lent GPU and writes one table.
 
-Each row is its own child process, most valuable first (benchmarks/gpu_suite_rows.py): `paratrain train
---json` for gpt2-124m, llama-162m and a ~1B Llama at seq 1024 (eager bf16, --compile, --compile --cuda-graphs,
---dtype fp8 --compile; micro-batch 16, then 32 / 8), benchmarks/mfu.py's hand-written loop of the same step
-(the ratio paratrain / plain), `paratrain verify --device cuda` in fp32 and bf16 (fp8 and compiled last),
-`paratrain plan --calibrate` (the profile: OUT/hardware-profile.json) and `paratrain doctor --trace`. Every
-train row gets the planner's predicted step time for the layout it ran, from the catalog and from the
-calibrated profile (plan/predict.py). OUT/results.json and OUT/table.md are rewritten after every row, so a
-run cut off still leaves what it measured; a row that cannot run gets one line saying why.
+Each row is its own child process, most valuable first (benchmarks/gpu_suite_rows.py): first issue 47's
+speed flags, each alone and then all together, on gpt2-124m compiled bf16 at micro-batch 16 and 32 against the
+same call's row without them, and bf16 against fp8 on Llama 3 8B's shape cut to 4 blocks (micro-batch 2 x seq
+4096); then `paratrain train --json` for gpt2-124m, llama-162m and a ~1B Llama at seq 1024 (eager bf16,
+--compile, --compile --cuda-graphs, --dtype fp8 --compile; micro-batch 16, then 32 / 8), benchmarks/mfu.py's
+hand-written loop of the same step (the ratio paratrain / plain), `paratrain verify --device cuda` in fp32 and
+bf16 (fp8 and compiled last), `paratrain plan --calibrate` (the profile: OUT/hardware-profile.json) and
+`paratrain doctor --trace`. Every train row gets the planner's predicted step time for the layout it ran, from
+the catalog and from the calibrated profile (plan/predict.py); an fp8 row's MFU is also given against the bf16
+peak. OUT/results.json and OUT/table.md are rewritten after every row, so a run cut off still leaves what it
+measured; a row that cannot run (a flag this paratrain's train lacks included) gets one line saying why.
 
 Time: --budget-s (default 330) covers everything. First a prewarm starts the compiled rows for 2-3 steps,
---prewarm-jobs at a time, only to fill torch.compile's caches; the measured rows then run one at a time on the
-otherwise idle GPU, each only if its (warm or cold) time estimate fits what is left.
+--prewarm-jobs at a time (fewer where their planned memory would not fit the GPU together), only to fill
+torch.compile's caches, until what is left of the budget is what measuring them takes; the measured rows then
+run one at a time on the otherwise idle GPU, each only if its (warm or cold) time estimate fits what is left.
 
     python benchmarks/gpu_suite.py --out DIR            # one CUDA GPU (without one every row says so)
     python benchmarks/gpu_suite.py --dry-run --out DIR  # the same code on CPU: tiny models, seconds
@@ -19,18 +23,20 @@ otherwise idle GPU, each only if its (warm or cold) time estimate fits what is l
     python benchmarks/gpu_suite.py --only 'gpt2-124m-fp8-*,calibrate' --out DIR   # a subset
     python benchmarks/gpu_suite.py --rest-of DIR --out DIR2   # what DIR did not measure, with DIR's profile
 
-On a lent GPU through the device tool (its image has torch 2.11 but no pydantic or torchao), in ONE call.
+On a lent GPU through the device tool (its image has torch 2.11 but no pydantic or torchao), in ONE call of at
+most 5 minutes, with the committed H100 profile so no calibration runs (docs/performance.md, "The GPU suite").
 Here first, once, in the repository root (.whl/ is git-ignored; never commit wheels):
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
       typing-inspection==0.4.5 typing-extensions==4.16.0 torchao==0.17.0
-then run(carry=[".whl"], timeout_s=480, command=
+then run(carry=[".whl"], timeout_s=300, command=
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
-    .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; timeout 420 python3
-    benchmarks/gpu_suite.py --out /tmp/gpu-suite; cp /tmp/gpu-suite/results.json /tmp/gpu-suite/table.md $OUT/;
-    tar czf $OUT/gpu-suite.tar.gz -C /tmp gpu-suite
-) and unpack the tarball into benchmarks/results/ to commit it (docs/performance.md, "The GPU suite").
+    .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; timeout 270 python3
+    benchmarks/gpu_suite.py --budget-s 245 --hardware
+    benchmarks/results/gpu-suite-2026-11-26/hardware-profile-h100-sxm.json --out /tmp/gpu-suite;
+    cp /tmp/gpu-suite/results.json /tmp/gpu-suite/table.md $OUT/; tar czf $OUT/gpu-suite.tar.gz -C /tmp gpu-suite
+) and unpack the tarball into benchmarks/results/ to commit it.
 A second call right after, on the still-warm machine, runs what the first did not reach: the same command with
 `--rest-of /tmp/gpu-suite --out /tmp/gpu-suite-2` (and that folder copied and tarred).
 """
@@ -56,6 +62,7 @@ if (SRC / "paratrain").is_dir():
 from gpu_suite_machine import probe_machine, skip_reason  # noqa: E402
 from gpu_suite_report import (  # noqa: E402
     add_predictions,
+    bf16_equivalent_mfu,
     last_line,
     last_line_of,
     read_row,
@@ -63,6 +70,7 @@ from gpu_suite_report import (  # noqa: E402
     write_outputs,
 )
 from gpu_suite_rows import GPU_ROWS, Row, code_path, command, config_toml  # noqa: E402
+from paratrain.cli_options import flag_of  # noqa: E402
 
 
 class Interrupted(Exception):
@@ -82,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prewarm-rows", type=int, default=None,
                    help="prewarm at most this many rows (default all; 1 in --dry-run)")
     p.add_argument("--prewarm-s", type=float, default=None,
-                   help="seconds the prewarm may take (default 45%% of the budget)")
+                   help="seconds the prewarm may take (default: what the budget leaves after measuring the rows "
+                        "it warms)")
     p.add_argument("--calibrate-rounds", type=int, default=None,
                    help="plan --calibrate rounds (default 5; 1 in --dry-run)")
     p.add_argument("--hardware", type=Path,
@@ -93,7 +102,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     dry = args.dry_run
     args.prewarm_jobs = (2 if dry else 4) if args.prewarm_jobs is None else args.prewarm_jobs
     args.prewarm_rows = (1 if dry else len(GPU_ROWS)) if args.prewarm_rows is None else args.prewarm_rows
-    args.prewarm_s = 0.45 * args.budget_s if args.prewarm_s is None else args.prewarm_s
     args.calibrate_rounds = (1 if dry else 5) if args.calibrate_rounds is None else args.calibrate_rounds
     args.done = set()
     if args.rest_of:
@@ -133,6 +141,7 @@ class Suite:
         self.by_id: dict[str, Row] = {}
         self.prewarmed: dict[str, str] = {}  # row id -> "ok" or why it is not warm
         self.prewarm_note = ""
+        self.mem_plans: dict[tuple, float] = {}
         self.state = "running"
         self.log_file = (self.out / "suite.log").open("a")
 
@@ -153,7 +162,7 @@ class Suite:
         m = self.machine
         suite = {"state": self.state, "dry_run": self.args.dry_run, "device": m["name"],
                  "capability": m["capability"], "torch": m["torch"], "torchao": m["torchao"],
-                 "triton": m["triton"], "paratrain": m["paratrain"],
+                 "triton": m["triton"], "paratrain": m["paratrain"], "peak_tflops": m["peak_tflops"],
                  "budget_s": self.args.budget_s, "elapsed_s": self.elapsed(), "prewarm": self.prewarm_note,
                  "hardware_profile": self.profile.name if self.profile.exists() else None,
                  "command": " ".join(sys.argv)}
@@ -182,7 +191,8 @@ class Suite:
 
     def entry(self, row: Row, gpu: Row, **fields) -> dict:
         e = {"id": row.id, "kind": row.kind, "model": gpu.model_label, "dtype": gpu.dtype, "mode": gpu.mode,
-             "micro_batch": gpu.micro_batch, "seq_len": gpu.seq_len, "pair": row.pair, **fields}
+             "micro_batch": gpu.micro_batch, "seq_len": gpu.seq_len, "pair": row.pair,
+             "flags": [flag_of(f) for f in gpu.flags], "baseline": row.baseline, **fields}
         if self.args.dry_run:
             e["dry_run_as"] = {"model": row.model, "shape": dict(row.shape), "dtype": row.dtype,
                                "compile": row.compile, "seq_len": row.seq_len, "micro_batch": row.micro_batch}
@@ -230,12 +240,15 @@ class Suite:
     # -- prewarm: fill the compile caches of the compiled rows, several at once -------------------------------
     def prewarm(self, rows: list[tuple[Row, Row]]) -> None:
         jobs = self.args.prewarm_jobs
-        todo = self.worth_prewarming(rows, jobs)[: self.args.prewarm_rows]
+        chosen = self.worth_prewarming(rows, jobs)[: self.args.prewarm_rows]
+        todo = [(row, gpu) for row, gpu, _ in chosen]
         if jobs <= 0 or not todo:
             self.prewarm_note = "off" if jobs <= 0 else "nothing to compile"
             return
-        deadline = min(self.args.prewarm_s, self.args.budget_s)
-        cap = self.machine["mem_gib"] * 0.85 if self.machine["mem_gib"] else None
+        # by default until the budget keeps just what measuring the rows up to the last one warmed takes
+        deadline = min(self.args.budget_s - chosen[-1][2] if self.args.prewarm_s is None else self.args.prewarm_s,
+                       self.args.budget_s)
+        cap = self.mem_cap()
         need = {r.id: self.planned_mem(r) for r, _ in todo} if cap else {}
         running: dict[str, tuple[subprocess.Popen, object]] = {}
         self.log(f"prewarm: {len(todo)} compiled row(s), {jobs} at a time, at most {deadline:.0f} s")
@@ -269,26 +282,37 @@ class Suite:
                              f"{jobs} at a time")
         self.log(f"prewarm: {self.prewarm_note}")
 
-    def worth_prewarming(self, rows: list[tuple[Row, Row]], jobs: int) -> list[tuple[Row, Row]]:
-        """The compiled rows among those the budget should reach: in order, while the measured rows' warm
-        estimates plus the prewarm's own (cold estimates over `jobs`) fit the budget."""
+    def worth_prewarming(self, rows: list[tuple[Row, Row]], jobs: int) -> list[tuple[Row, Row, float]]:
+        """The compiled rows among those the budget should reach, each with the seconds measuring the rows up to it
+        takes: in order, while the measured rows' warm estimates plus the prewarm's own (cold estimates over the
+        prewarms the GPU's memory lets run at once, at most `jobs`) fit the budget."""
         chosen, measured, warming = [], 0.0, 0.0
+        cap = self.mem_cap()
         for row, gpu in rows:
             compiled = gpu.compile and row.kind in ("train", "plain")
             measured += row.warm_s if compiled else row.cold_s
-            warming += row.cold_s / max(jobs, 1) if compiled else 0.0
+            at_once = max(1, min(jobs, int(cap // self.planned_mem(row)) if cap and compiled else jobs))
+            warming += row.cold_s / at_once if compiled else 0.0
             if measured + warming > self.args.budget_s:
                 break
             if compiled:
-                chosen.append((row, gpu))
+                chosen.append((row, gpu, measured))
         return chosen
 
-    def planned_mem(self, row: Row) -> float:
-        """The planner's memory for the row (catalog profile): the prewarm keeps the sum under the GPU's."""
-        from gpu_suite_report import predict
+    def mem_cap(self) -> float | None:
+        """GiB the prewarm's processes may plan to use together (None: no GPU memory to bound)."""
+        return self.machine["mem_gib"] * 0.85 if self.machine["mem_gib"] else None
 
-        p = predict(row, None, self.device, None)
-        return p["mem_gib"] if p else self.machine["mem_gib"] / self.args.prewarm_jobs
+    def planned_mem(self, row: Row) -> float:
+        """The planner's memory for the row (catalog profile): the prewarm keeps the sum under the GPU's. The
+        speed flags are not in the planner's model, so rows that differ only in them share one prediction."""
+        key = (row.model, row.dtype, row.compile, row.micro_batch, row.seq_len, row.shape)
+        if key not in self.mem_plans:
+            from gpu_suite_report import predict
+
+            p = predict(row, None, self.device, None)
+            self.mem_plans[key] = p["mem_gib"] if p else self.machine["mem_gib"] / max(self.args.prewarm_jobs, 1)
+        return self.mem_plans[key]
 
     # -- the measured rows, one at a time ---------------------------------------------------------------------
     def run_row(self, row: Row, gpu: Row) -> None:
@@ -317,6 +341,9 @@ class Suite:
         else:
             try:
                 fields["result"] = read_row(row, self.row_dir(row), out)
+                if "mfu" in fields["result"]:
+                    fields["result"]["mfu_bf16_equivalent"] = bf16_equivalent_mfu(
+                        fields["result"]["mfu"], gpu.dtype, self.machine["peak_tflops"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 fields["error"] = (f"unreadable output ({type(exc).__name__}: {exc}); "
                                    f"stderr: {last_line_of(err)}")
@@ -376,7 +403,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for r in selected_rows(args):
-            print(f"{r.id:<50} ~{r.cold_s:4.0f} s cold, ~{r.warm_s:4.0f} s warm")
+            print(f"{r.id:<52} ~{r.cold_s:4.0f} s cold, ~{r.warm_s:4.0f} s warm")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     machine = probe_machine(args.dry_run)

@@ -5,16 +5,19 @@ from __future__ import annotations
 import importlib.util
 
 from gpu_suite_rows import Row
+from paratrain.cli_options import flag_of
 
 
 def probe_machine(dry_run: bool) -> dict:
     import torch
 
     import paratrain
+    from paratrain.cli_options import run_options
 
     m = {"device": "cpu", "name": "cpu", "capability": None, "mem_gib": None, "torch": torch.__version__,
          "torchao": None, "torchao_error": None, "triton": None, "paratrain": paratrain.__version__,
-         "cuda_graph_trees": hasattr(torch.compiler, "cudagraph_mark_step_begin"), "fp8_refusal": None}
+         "cuda_graph_trees": hasattr(torch.compiler, "cudagraph_mark_step_begin"), "fp8_refusal": None,
+         "train_options": set(run_options()), "peak_tflops": None}
     if importlib.util.find_spec("triton") is not None:
         import triton
 
@@ -31,6 +34,10 @@ def probe_machine(dry_run: bool) -> dict:
         props = torch.cuda.get_device_properties(0)
         m.update(device="cuda", name=props.name, capability=f"{props.major}.{props.minor}",
                  mem_gib=props.total_memory / 2**30)
+        from paratrain.gpu_catalog import device_peak_tflops
+
+        # the catalog peaks the runs' MFU divides by: an fp8 row's MFU is also read against the bf16 one
+        m["peak_tflops"] = {dtype: device_peak_tflops("cuda", dtype) for dtype in ("bf16", "fp8")}
         from mfu import fp8_refusal  # paratrain's own check: capability, torchao
 
         m["fp8_refusal"] = fp8_refusal("cuda")
@@ -39,6 +46,9 @@ def probe_machine(dry_run: bool) -> dict:
 
 def skip_reason(row: Row, m: dict, dry_run: bool) -> str | None:
     """None when the row can run here, else why not, in one line."""
+    missing = [flag_of(f) for f in row.flags if f not in m["train_options"]]
+    if missing:
+        return f"this paratrain's train has no {', '.join(missing)} (paratrain train --help)"
     needs = row.needs()
     if m["device"] != "cuda":
         if not dry_run:

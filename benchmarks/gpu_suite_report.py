@@ -122,6 +122,21 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
+def bf16_equivalent_mfu(mfu: float | None, dtype: str, peaks: dict | None) -> float | None:
+    """A row's MFU against the bf16 peak: paratrain divides an fp8 run's FLOP/s by the fp8 peak (twice the bf16
+    one on Hopper), so only this figure compares an fp8 row with a bf16 one. Other dtypes: their own MFU."""
+    if mfu is None or dtype != "fp8":
+        return mfu
+    if not peaks or not peaks.get("fp8") or not peaks.get("bf16"):
+        return None
+    return mfu * peaks["fp8"] / peaks["bf16"]
+
+
+def _speedup(r: dict, base: dict) -> float | None:
+    """tokens/s over the baseline row's (the same call's)."""
+    return r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None
+
+
 def markdown(doc: dict) -> str:
     rows = {e["id"]: e for e in doc["rows"]}
     s = doc["suite"]
@@ -129,17 +144,23 @@ def markdown(doc: dict) -> str:
              f"torch {s['torch']}, torchao {s['torchao'] or 'absent'}, paratrain {s['paratrain']}; "
              f"{'DRY RUN on CPU (tiny models: the numbers mean nothing); ' if s['dry_run'] else ''}"
              f"{s['elapsed_s']:.0f} s of a {s['budget_s']:.0f} s budget; prewarm {s.get('prewarm') or '-'}", "",
-             "| run | dtype | mode | mb x seq | tokens/s | ms/step | MFU | peak GiB | plain tokens/s | plain MFU | "
-             "paratrain / plain | pred. ms (catalog) | pred. ms (calibrated) | calibrated pred. / measured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | dtype | mode | flags | mb x seq | tokens/s | ms/step | MFU | MFU vs bf16 peak | "
+             "tokens/s vs baseline | peak GiB | plain tokens/s | plain MFU | paratrain / plain | pred. ms (catalog) "
+             "| pred. ms (calibrated) | calibrated pred. / measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["rows"]:
         if e["kind"] != "train" or "result" not in e:
             continue
         r, plain = e["result"], rows.get(e.get("pair") or "", {}).get("result") or {}
+        base = rows.get(e.get("baseline") or "", {}).get("result") or {}
         cat, cal = e.get("predicted_catalog") or {}, e.get("predicted_calibrated") or {}
         ratio = r["tokens_per_s"] / plain["tokens_per_s"] if plain.get("tokens_per_s") else None
-        lines.append(f"| {e['model']} | {e['dtype']} | {e['mode']} | {e['micro_batch']} x {e.get('seq_len', '?')} "
-                     f"| {_f(r['tokens_per_s'], 1, ',.0f')} | {_f(r['step_time_s'], 1e3)} | {_pct(r['mfu'])} "
+        mfu = f"{_pct(r['mfu'])} (fp8 peak)" if e["dtype"] == "fp8" and r["mfu"] is not None else _pct(r["mfu"])
+        lines.append(f"| {e['model']} | {e['dtype']} | {e['mode']} | {' '.join(e.get('flags') or []) or '-'} "
+                     f"| {e['micro_batch']} x {e.get('seq_len', '?')} "
+                     f"| {_f(r['tokens_per_s'], 1, ',.0f')} | {_f(r['step_time_s'], 1e3)} | {mfu} "
+                     f"| {_pct(bf16_equivalent_mfu(r['mfu'], e['dtype'], s.get('peak_tflops')))} "
+                     f"| {_f(_speedup(r, base), 1, '.3f')} "
                      f"| {_f(r['peak_mem_gib'], 1, '.2f')} | {_f(plain.get('tokens_per_s'), 1, ',.0f')} "
                      f"| {_pct(plain.get('mfu'))} | {_f(ratio, 1, '.3f')} "
                      f"| {_f(cat.get('step_time_s'), 1e3)} | {_f(cal.get('step_time_s'), 1e3)} "

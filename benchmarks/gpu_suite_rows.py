@@ -3,7 +3,12 @@
 A row is one child process: `paratrain train/verify/doctor/plan --calibrate`, or the hand-written loop of
 benchmarks/mfu.py (benchmarks/gpu_suite_plain.py). `--dry-run` turns every row into its CPU twin (a tiny
 model of the same family, seq 64, micro-batch 2, fp32, eager, a few steps) and leaves the command otherwise
-as the GPU runs it.
+as the GPU runs it, the row's speed flags included.
+
+First come issue 47's rows: gpt2-124m compiled bf16 at micro-batch 16, then each speed flag alone on top of it,
+then all of them; micro-batch 32 without and with all of them; then FP8 where it should pay, on Llama 3 8B's
+shape cut to 4 blocks (micro-batch 2 x seq 4096), bf16 and fp8. Each flag row names its baseline, the row of the
+same call it is compared with.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ LLAMA_1B = {"dim": 1536, "n_layers": 32, "ffn_dim": 4096}
 # Qwen3-30B-A3B's MoE layer (128 experts, top-8, expert width 768, width 2048) in 2 blocks (1.85B parameters):
 # the planner's MoE routing and grouped-GEMM costs against one GPU
 QWEN3_MOE_2L = {"n_layers": 2}
-CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny", "qwen3-30b-a3b": "moe-tiny"}
+# Llama 3 8B (width 4096, SwiGLU 14336, 32 heads of 128, 8 KV heads, vocabulary 128,256) in 4 blocks: 1.92B
+# parameters, a third of them in the output head, which --dtype fp8 keeps in bf16 (train/float8.py)
+LLAMA3_8B_4L = {"n_layers": 4}
+SHAPED_LABEL = {"llama-162m": "llama-1b", "qwen3-30b-a3b": "qwen3-moe-2l", "llama3-8b": "llama3-8b-4l"}
+CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny", "qwen3-30b-a3b": "moe-tiny", "llama3-8b": "tiny"}
+# issue 47's speed options: `paratrain train` flags, each a TrainConfig field of the same name
+SPEED_FLAGS = ("bf16_residual", "fused_qkv", "fused_loss", "optimizer_graph", "bf16_param_copies")
 CPU_SHAPE = {"dim": 96, "n_layers": 3, "ffn_dim": 256}  # the ~1B row's CPU twin: still a config-file shape
 
 
@@ -39,6 +50,8 @@ class Row:
     steps: int = 40
     warmup: int = 10
     name: str = ""  # a --dry-run twin keeps its GPU row's id
+    flags: tuple = ()  # train rows: speed options given as flags (TrainConfig field names)
+    baseline: str | None = None  # train rows with flags or fp8: the same call's row they are compared with
 
     @property
     def mode(self) -> str:
@@ -46,11 +59,14 @@ class Row:
 
     @property
     def model_label(self) -> str:
-        if self.shape and self.model == "llama-162m":
-            return "llama-1b"
-        if self.shape and self.model == "qwen3-30b-a3b":
-            return "qwen3-moe-2l"
-        return self.model
+        return SHAPED_LABEL.get(self.model, self.model) if self.shape else self.model
+
+    @property
+    def variant(self) -> str:
+        """The speed flags in a row's id: "" (none), one flag's name, or "all-flags"."""
+        if set(self.flags) == set(SPEED_FLAGS):
+            return "all-flags"
+        return "+".join(f.replace("_", "-") for f in self.flags)
 
     @property
     def id(self) -> str:
@@ -60,7 +76,8 @@ class Row:
             return "calibrate"
         if self.kind == "verify":
             return f"verify-{self.model_label}-{self.dtype}-{self.mode}"
-        return f"{self.model_label}-{self.dtype}-{self.mode}-mb{self.micro_batch}-{self.kind}"
+        mode = f"{self.mode}+{self.variant}" if self.flags else self.mode
+        return f"{self.model_label}-{self.dtype}-{mode}-mb{self.micro_batch}-{self.kind}"
 
     def needs(self) -> list[str]:
         """What the machine must have: fp8 (Hopper/Ada + torchao), cuda_graphs, compile (triton on a GPU)."""
@@ -102,13 +119,36 @@ def _graphs_pair(model: str, dtype: str, mb: int, shape: tuple = ()) -> str:
     return Row("plain", model, dtype, compile=True, micro_batch=mb, shape=shape).id
 
 
-# Most valuable first: the budget cuts from the bottom. Guessed times are for one H100 (results.json records
-# each row's wall time, to correct them after the first run).
+def _with_flags(base: Row, flags: tuple, **kw) -> Row:
+    """`base` with speed flags, compared with `base` (the plain loop has no speed flags: no pair)."""
+    return dataclasses.replace(base, flags=flags, baseline=base.id, pair=None, **kw)
+
+
+# Guessed times are for one H100 (results.json records each row's wall time: 27-32 s for a warm gpt2-124m row in
+# the 2026-11 calls; the 8B-shaped rows also build 1.9B parameters on the host first).
+BASE16, PLAIN16 = _train("gpt2-124m", "bf16", "compile", 16, plain=True, cold_s=75, warm_s=28)
+BASE32, PLAIN32 = _train("gpt2-124m", "bf16", "compile", 32, plain=True, cold_s=75, warm_s=30)
+LLAMA3_BF16 = Row("train", "llama3-8b", "bf16", compile=True, micro_batch=2, seq_len=4096,
+                  shape=tuple(LLAMA3_8B_4L.items()), steps=20, warmup=5, cold_s=130, warm_s=70)
+# issue 47: each speed flag on its own against the same call's compiled step, then all of them, at micro-batch 16;
+# micro-batch 32 without and with all of them; FP8 against bf16 where the matmuls are large enough to pay
+SPEED_ROWS: list[Row] = [
+    BASE16,
+    *(_with_flags(BASE16, (flag,)) for flag in SPEED_FLAGS),
+    _with_flags(BASE16, SPEED_FLAGS, cold_s=85, warm_s=30),
+    BASE32,
+    _with_flags(BASE32, SPEED_FLAGS, cold_s=85, warm_s=32),
+    LLAMA3_BF16,
+    dataclasses.replace(LLAMA3_BF16, dtype="fp8", baseline=LLAMA3_BF16.id, cold_s=150, warm_s=80),
+]
+
+# Most valuable first: the budget cuts from the bottom.
 GPU_ROWS: list[Row] = [
-    *_train("gpt2-124m", "bf16", "compile", 16, plain=True, cold_s=75, warm_s=25),
+    *SPEED_ROWS,
+    PLAIN16,
     *_train("gpt2-124m", "bf16", "compile-cudagraphs", 16, pair=_graphs_pair("gpt2-124m", "bf16", 16),
-            cold_s=80, warm_s=30),
-    *_train("gpt2-124m", "fp8", "compile", 16, cold_s=90, warm_s=30),
+            baseline=BASE16.id, cold_s=80, warm_s=30),
+    *_train("gpt2-124m", "fp8", "compile", 16, baseline=BASE16.id, cold_s=90, warm_s=30),
     Row("calibrate", cold_s=30, warm_s=30),
     Row("verify", "gpt2-124m", "fp32", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
     Row("verify", "gpt2-124m", "bf16", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
@@ -119,10 +159,10 @@ GPU_ROWS: list[Row] = [
             cold_s=80, warm_s=30),
     *_train("llama-162m", "fp8", "compile", 16, cold_s=90, warm_s=30),
     Row("doctor", "gpt2-124m", "bf16", compile=True, steps=5, warmup=3, cold_s=60, warm_s=35),
-    *_train("gpt2-124m", "bf16", "compile", 32, plain=True, cold_s=75, warm_s=25),
+    PLAIN32,
     *_train("gpt2-124m", "bf16", "compile-cudagraphs", 32, pair=_graphs_pair("gpt2-124m", "bf16", 32),
-            cold_s=80, warm_s=30),
-    *_train("gpt2-124m", "fp8", "compile", 32, cold_s=90, warm_s=30),
+            baseline=BASE32.id, cold_s=80, warm_s=30),
+    *_train("gpt2-124m", "fp8", "compile", 32, baseline=BASE32.id, cold_s=90, warm_s=30),
     Row("verify", "gpt2-124m", "bf16", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=80, warm_s=80),
     Row("verify", "gpt2-124m", "fp8", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=90, warm_s=90),
     *_train("llama-162m", "bf16", "eager", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=45,
@@ -130,7 +170,8 @@ GPU_ROWS: list[Row] = [
     *_train("llama-162m", "bf16", "compile", 8, plain=True, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5,
             cold_s=180, warm_s=60),
     *_train("llama-162m", "fp8", "compile", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=200,
-            warm_s=70),
+            warm_s=70, baseline=Row("train", "llama-162m", "bf16", compile=True, micro_batch=8,
+                                    shape=tuple(LLAMA_1B.items())).id),
     *_train("qwen3-30b-a3b", "bf16", "eager", 2, seq_len=2048, shape=tuple(QWEN3_MOE_2L.items()), steps=15,
             warmup=5, cold_s=40, warm_s=40),
     Row("doctor", "qwen3-30b-a3b", "bf16", micro_batch=2, seq_len=2048, shape=tuple(QWEN3_MOE_2L.items()), steps=5,
@@ -150,6 +191,8 @@ def config_toml(row: Row) -> str | None:
 def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | None, prewarm: bool = False,
             calibrate_rounds: int = 5) -> list[str]:
     """The child's argv. `prewarm`: the same step for two or three steps, only to fill the compile caches."""
+    from paratrain.cli_options import flag_of
+
     py = sys.executable
     common = ["--model", row.model, "--strategy", "single", "--nproc", "1", "--device", device,
               "--dtype", row.dtype, "--seq-len", str(row.seq_len), "--global-batch", str(row.micro_batch),
@@ -165,19 +208,25 @@ def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | 
         return [py, "-m", "paratrain.cli", "doctor", *common, "--steps", str(row.steps),
                 "--warmup", str(row.warmup), "--probe-rounds", "1", "--trace", str(row_dir / "trace.json"),
                 "--out", str(row_dir / "run"), "--json"]
-    steps = (3 if row.cuda_graphs else 2) if prewarm else row.steps
+    steps = row.steps
+    if prewarm:  # far enough to record the graphs: CUDA graph trees at step 3, --optimizer-graph after its eager ones
+        from paratrain.train.optimizer_graph import EAGER_STEPS
+
+        steps = EAGER_STEPS + 1 if "optimizer_graph" in row.flags else 3 if row.cuda_graphs else 2
     if row.kind == "plain":
         extra = ["--config", str(config)] if config else []
         return [py, str(HERE / "gpu_suite_plain.py"), "--model", row.model, "--device", device,
                 "--dtype", row.dtype, "--seq-len", str(row.seq_len), "--micro-batch", str(row.micro_batch),
                 "--compile" if row.compile else "--no-compile", "--warmup", str(1 if prewarm else row.warmup),
                 "--steps", str(1 if prewarm else row.steps - row.warmup), *extra]
-    return [py, "-m", "paratrain.cli", "train", *common, "--micro-batch", str(row.micro_batch),
+    return [py, "-m", "paratrain.cli", "train", *common, *(flag_of(f) for f in row.flags),
+            "--micro-batch", str(row.micro_batch),
             "--cuda-graphs" if row.cuda_graphs else "--no-cuda-graphs", "--steps", str(steps), "--lr", "3e-4",
             "--resume", "never", "--ckpt-every", "0", "--out", str(row_dir / ("prewarm" if prewarm else "run")),
             "--json"]
 
 
 def code_path(row: Row) -> tuple:
-    """What a --dry-run needs to run once: each kind of child (verify once per dtype), plain and shaped."""
-    return row.kind, row.dtype if row.kind == "verify" else None, bool(row.shape)
+    """What a --dry-run needs to run once: each kind of child (verify once per dtype), plain and shaped, and each
+    set of speed flags (each is its own model or step code, worth a CPU run before device time is spent)."""
+    return row.kind, row.dtype if row.kind == "verify" else None, bool(row.shape), row.flags

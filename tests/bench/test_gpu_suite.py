@@ -1,5 +1,6 @@
 """benchmarks/gpu_suite.py --dry-run: the GPU suite's own code on CPU (tiny models, eager), the rows that need a
-GPU skipped with one line each, results.json and table.md written, predictions next to measurements."""
+GPU skipped with one line each, results.json and table.md written, predictions next to measurements; issue 47's
+rows (speed flags against their baseline, FP8 on the 8B-shaped model) in order, and the table's reading of them."""
 
 import json
 import os
@@ -7,18 +8,26 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from paratrain.cli_options import run_options
 from paratrain.costs.hardware import profile_from_spec
 from paratrain.gpu_catalog import get_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUITE = os.path.join(REPO, "benchmarks", "gpu_suite.py")
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+SUITE = os.path.join(BENCHMARKS, "gpu_suite.py")
+SPEED_FLAGS = ["--bf16-residual", "--fused-qkv", "--fused-loss", "--optimizer-graph", "--bf16-param-copies"]
+ALL16, ALL32 = "gpt2-124m-bf16-compile+all-flags-mb16-train", "gpt2-124m-bf16-compile+all-flags-mb32-train"
+LLAMA3 = "llama3-8b-4l-{}-compile-mb2-train"
 # the headline pair (train + plain loop, with its doctor row), the GPU-only variants of the same step, one
-# verify; the calibration is replaced by a given profile (calibrating takes ~10-30 s here)
+# verify, all speed flags at micro-batch 16 and 32 (32 runs the same suite code: one line), the 8B-shaped bf16 and
+# fp8 rows; the calibration is replaced by a given profile (calibrating takes ~10-30 s here)
 ONLY = ",".join(["gpt2-124m-bf16-compile-mb16-*", "gpt2-124m-bf16-compile-cudagraphs-mb16-train",
-                 "gpt2-124m-fp8-compile-mb16-*", "verify-gpt2-124m-fp32-eager", "calibrate"])
+                 "gpt2-124m-fp8-compile-mb16-*", "verify-gpt2-124m-fp32-eager", "calibrate",
+                 "gpt2-124m-bf16-compile+all-flags-*", "llama3-8b-4l-*"])
 
 
 @pytest.mark.timeout(300)
@@ -38,7 +47,8 @@ def test_dry_run_measures_the_cpu_rows_and_skips_the_gpu_rows(tmp_path):
     assert set(rows) == {"gpt2-124m-bf16-compile-mb16-train", "gpt2-124m-bf16-compile-mb16-plain",
                          "gpt2-124m-bf16-compile-mb16-doctor", "gpt2-124m-bf16-compile-cudagraphs-mb16-train",
                          "gpt2-124m-fp8-compile-mb16-train", "gpt2-124m-fp8-compile-mb16-plain",
-                         "verify-gpt2-124m-fp32-eager", "calibrate"}
+                         "verify-gpt2-124m-fp32-eager", "calibrate", ALL16, ALL32, LLAMA3.format("bf16"),
+                         LLAMA3.format("fp8")}
 
     # the rows a CPU can run measured a step, and the planner predicted the same layout, catalog and profile
     for rid in ("gpt2-124m-bf16-compile-mb16-train", "gpt2-124m-bf16-compile-mb16-plain"):
@@ -64,7 +74,85 @@ def test_dry_run_measures_the_cpu_rows_and_skips_the_gpu_rows(tmp_path):
         assert rows[rid]["skipped"].startswith("needs CUDA"), rows[rid]
         assert f"- {rid}: needs CUDA" in table
     assert rows["calibrate"]["skipped"].startswith("profile given")
-    assert "| gpt2-124m | bf16 | compile | 16 x 1024 |" in table and "PASSED" in table
+    assert "| gpt2-124m | bf16 | compile | - | 16 x 1024 |" in table and "PASSED" in table
+
+    # all speed flags on the same step: given to train, compared with the row without them; where this paratrain's
+    # train lacks one of them, one line says which
+    every = rows[ALL16]
+    assert every["flags"] == SPEED_FLAGS and every["baseline"] == "gpt2-124m-bf16-compile-mb16-train"
+    missing = [f for f in SPEED_FLAGS if f[2:].replace("-", "_") not in run_options()]
+    if missing:
+        assert every["skipped"] == f"this paratrain's train has no {', '.join(missing)} (paratrain train --help)"
+    else:
+        assert "skipped" not in every and "error" not in every, every
+        command = (out / "rows" / ALL16 / "command.txt").read_text().split()
+        assert all(flag in command for flag in SPEED_FLAGS) and every["result"]["tokens_per_s"] > 0
+        assert f"| gpt2-124m | bf16 | compile | {' '.join(SPEED_FLAGS)} | 16 x 1024 |" in table
+    assert rows[ALL32]["skipped"] == f"dry-run: runs the same suite code as {ALL16} (tiny model, eager, on CPU)"
+    assert rows[ALL32]["baseline"] == "gpt2-124m-bf16-compile-mb32-train"
+
+    # Llama 3 8B's shape in 4 blocks: its CPU twin is a config-file shape too; fp8 needs CUDA
+    bf16, fp8 = rows[LLAMA3.format("bf16")], rows[LLAMA3.format("fp8")]
+    assert bf16["result"]["tokens_per_s"] > 0 and bf16["dry_run_as"]["model"] == "tiny", bf16
+    assert (bf16["micro_batch"], bf16["seq_len"]) == (2, 4096)
+    assert "n_layers = 3" in (out / "rows" / bf16["id"] / "config.toml").read_text()
+    assert fp8["skipped"].startswith("needs CUDA") and fp8["baseline"] == bf16["id"]
+    assert "| llama3-8b-4l | bf16 | compile | - | 2 x 4096 |" in table
+
+
+def _suite_modules(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)  # the suite's modules import each other by name
+    import gpu_suite_machine
+    import gpu_suite_report
+    import gpu_suite_rows
+
+    return gpu_suite_rows, gpu_suite_machine, gpu_suite_report
+
+
+def test_speed_rows_come_first_each_flag_against_the_same_calls_baseline(monkeypatch):
+    rows_mod, _, _ = _suite_modules(monkeypatch)
+    rows = rows_mod.GPU_ROWS
+    assert len({r.id for r in rows}) == len(rows)
+    base16, base32 = "gpt2-124m-bf16-compile-mb16-train", "gpt2-124m-bf16-compile-mb32-train"
+    expected = [(base16, None)]
+    expected += [(f"gpt2-124m-bf16-compile+{f[2:]}-mb16-train", base16) for f in SPEED_FLAGS]
+    expected += [(ALL16, base16), (base32, None), (ALL32, base32), (LLAMA3.format("bf16"), None),
+                 (LLAMA3.format("fp8"), LLAMA3.format("bf16"))]
+    assert [(r.id, r.baseline) for r in rows[:len(expected)]] == expected
+    llama = rows[len(expected) - 2]
+    assert (llama.model, dict(llama.shape), llama.micro_batch, llama.seq_len) == ("llama3-8b", {"n_layers": 4}, 2, 4096)
+    argv = rows_mod.command(rows[1], Path("/r"), "cuda", Path("/p.json"), None)
+    assert argv[argv.index("train") + 1:].count("--bf16-residual") == 1
+
+
+def test_a_flag_train_lacks_skips_its_rows_in_one_line(monkeypatch):
+    rows_mod, machine_mod, _ = _suite_modules(monkeypatch)
+    machine = machine_mod.probe_machine(dry_run=True)
+    machine["train_options"] = machine["train_options"] - {"fused_loss"}
+    reasons = {r.id: machine_mod.skip_reason(r, machine, dry_run=True) for r in rows_mod.SPEED_ROWS}
+    line = "this paratrain's train has no --fused-loss (paratrain train --help)"
+    assert reasons["gpt2-124m-bf16-compile+fused-loss-mb16-train"] == line
+    assert reasons[ALL16] == reasons[ALL32] == line
+    assert reasons["gpt2-124m-bf16-compile+fused-qkv-mb16-train"] is None
+
+
+def test_fp8_rows_read_against_the_bf16_peak_and_their_baseline(monkeypatch):
+    _, _, report = _suite_modules(monkeypatch)
+
+    def train_row(dtype, tokens_per_s, mfu, baseline=None):
+        return {"id": LLAMA3.format(dtype), "kind": "train", "model": "llama3-8b-4l", "dtype": dtype,
+                "mode": "compile", "flags": [], "micro_batch": 2, "seq_len": 4096, "baseline": baseline,
+                "result": {"tokens_per_s": tokens_per_s, "step_time_s": 8192 / tokens_per_s, "mfu": mfu,
+                           "peak_mem_gib": 40.0}}
+
+    suite = {"device": "gpu", "state": "complete", "torch": "t", "torchao": "a", "paratrain": "p", "dry_run": False,
+             "elapsed_s": 1.0, "budget_s": 2.0, "peak_tflops": {"bf16": 1000.0, "fp8": 2000.0}}
+    doc = {"suite": suite, "rows": [train_row("bf16", 40000.0, 0.40),
+                                    train_row("fp8", 50000.0, 0.25, baseline=LLAMA3.format("bf16"))]}
+    table = report.markdown(doc)
+    assert "| 40,000 | 204.8 | 40.0% | 40.0% | - |" in table  # bf16: its own MFU, no baseline
+    assert "| 50,000 | 163.8 | 25.0% (fp8 peak) | 50.0% | 1.250 |" in table
+    assert report.bf16_equivalent_mfu(0.25, "fp8", None) is None  # no catalog peaks (an unknown GPU): no figure
 
 
 @pytest.mark.timeout(200)
