@@ -129,7 +129,6 @@ def peer_worker(kind: str, strategy: str, work: Path, steps: int, out: Path) -> 
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -144,16 +143,14 @@ def peer_worker(kind: str, strategy: str, work: Path, steps: int, out: Path) -> 
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     cfg = run_config()
-    make_optimizer = lambda params: torch.optim.AdamW(  # noqa: E731
-        params, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), weight_decay=cfg["weight_decay"], foreach=True)
     if kind == "accelerate" and strategy == "ddp":
-        model, optimizer = accelerator.prepare(model, make_optimizer(model.parameters()))
+        model, optimizer = accelerator.prepare(model, peer_optimizer(model.parameters()))
     elif strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = make_optimizer(model.parameters())
+        optimizer = peer_optimizer(model.parameters())
     else:
         model = shard_model(model, accelerator)
-        optimizer = make_optimizer(model.parameters())
+        optimizer = peer_optimizer(model.parameters())
     params = list(model.parameters())
     windows = torch.from_numpy(np.load(work / "windows.npy")[:steps])
     local = windows.shape[1] // world
@@ -164,15 +161,7 @@ def peer_worker(kind: str, strategy: str, work: Path, steps: int, out: Path) -> 
         t0 = time.perf_counter()
         rows = windows[step, rank * local:(rank + 1) * local]
         inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        accelerator.backward(loss) if accelerator is not None else loss.backward()
-        clip_gradients(params, cfg["grad_clip"])
-        optimizer.step()
-        reduced = loss.detach().clone()
-        dist.all_reduce(reduced)
-        losses.append(float(reduced / world))
+        losses.append(plain_step(model, optimizer, params, inputs, targets, cfg["grad_clip"], accelerator))
         times.append(time.perf_counter() - t0)
     if rank == 0:
         out.write_text(json.dumps({"losses": losses, "step_times": times}))
@@ -181,6 +170,32 @@ def peer_worker(kind: str, strategy: str, work: Path, steps: int, out: Path) -> 
         accelerator.end_training()
     else:
         dist.destroy_process_group()
+
+
+def peer_optimizer(params):
+    """AdamW (foreach) as the run config sets it: paratrain's optimizer for this run."""
+    import torch
+
+    cfg = run_config()
+    return torch.optim.AdamW(params, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]),
+                             weight_decay=cfg["weight_decay"], foreach=True)
+
+
+def plain_step(model, optimizer, params, inputs, targets, grad_clip: float, accelerator=None) -> float:
+    """One step of the peers' loop: forward, cross-entropy, backward, clip, AdamW; the loss averaged over the
+    ranks (tests/parallel/dp_worker.py counts this step's collectives against paratrain's)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    accelerator.backward(loss) if accelerator is not None else loss.backward()
+    clip_gradients(params, grad_clip)
+    optimizer.step()
+    reduced = loss.detach().clone()
+    dist.all_reduce(reduced)
+    return float(reduced / dist.get_world_size())
 
 
 def shard_model(model, accelerator):

@@ -62,11 +62,47 @@ def step_bytes(rt, strategy: str) -> dict:
             "params": count_params(trainer.args)}
 
 
+def zero3_against_plain_loop(rt) -> dict:
+    """ZeRO-3 on benchmarks/peers.py's transformers model: the collectives of the third step (calls and bytes by op)
+    and the losses of paratrain's loop and of the peers' plain fully_shard loop (each decoder layer, then the root),
+    from the same initial weights and token rows."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from paratrain.models.hf_model import build_hf_model
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
+    spec = importlib.util.spec_from_file_location("peers", bench)
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    run = {**peers.run_config(), "seq_len": 32}
+    with tempfile.TemporaryDirectory() as folder:  # no weights: each rank draws them from the seed
+        (Path(folder) / "config.json").write_text(json.dumps(peers.MODEL))
+        trainer = Trainer(config(rt, **run, strategy="zero3", model=f"hf:{folder}", micro_batch=4), rt, quiet=True)
+        model = peers.shard_model(build_hf_model(f"hf:{folder}", run["seed"]).hf, None)
+    batches = [trainer.source.next_step() for _ in range(3)]
+    optimizer = peers.peer_optimizer(model.parameters())
+    params = list(model.parameters())
+    out = {}
+    for name in ("paratrain", "plain"):
+        losses = []
+        for i, (mb,) in enumerate(batches):
+            with count_collectives(enabled=i == 2) as stats:
+                if name == "paratrain":
+                    losses.append(trainer.train_step([mb])["loss"])
+                else:
+                    losses.append(peers.plain_step(model, optimizer, params, mb.inputs, mb.targets, run["grad_clip"]))
+        out[name] = {"calls": dict(stats.calls_by_op), "bytes": dict(stats.bytes_by_op), "losses": losses}
+    return out
+
+
 def run_comm(rt) -> dict:
     """Byte counts per strategy, and proof that counting changes no result and leaves nothing installed."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     out = {s: step_bytes(rt, s) for s in ("ddp", "zero1", "zero2", "zero3")}
+    out["zero3_vs_plain"] = zero3_against_plain_loop(rt)
     losses = {}
     for counted in (False, True):
         trainer = Trainer(config(rt, strategy="zero3"), rt, quiet=True)

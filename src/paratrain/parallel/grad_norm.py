@@ -6,9 +6,11 @@ import torch
 
 
 def by_mesh(tensors) -> list[list]:
-    groups: dict[int, list] = {}
+    """The tensors grouped by mesh. Meshes compare by value: DTensor's sharding cache can hand a gradient an equal
+    mesh object from an earlier model, and grouping by identity would cost an all-reduce per object."""
+    groups: dict = {}
     for t in tensors:
-        groups.setdefault(id(getattr(t, "device_mesh", None)), []).append(t)
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
     return list(groups.values())
 
 

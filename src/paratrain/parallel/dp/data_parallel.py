@@ -184,12 +184,15 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
     """fully_shard the embedding, each transformer block, the final norm + head, then the root.
 
     Works on plain modules and on modules whose parameters are already TP DTensors (FSDP2 composes with
-    them). Wrapping the embedding and head separately leaves the root without parameters of its own, so
-    nothing stays unsharded between steps (FSDP2 never reshards the root's own parameters after forward).
+    them). ZeRO-3 reshards the embedding and the blocks after their forward, but not the groups whose forward
+    ends it (the norm + head, and the root's own parameters: a transformers model's embedding, norm and head):
+    backward starts with them, so resharding would only all-gather them again at once (torchtitan does the same).
+    Every group reshards after its backward, so nothing stays unsharded between steps. The planner's memory
+    model (dp_memory.py) holds the head's unsharded copy from the loss to the head's backward.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if offload:
@@ -199,13 +202,14 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
     # a tied table (the head's weight is the embedding's) must sit in one group: embedding, norm and head together
     tied = embedding is not None and shares_parameters(embedding, head)
     if embedding is not None and not tied:
-        fully_shard(embedding, **kwargs)
+        fully_shard(embedding, reshard_after_forward=reshard_after_forward, **kwargs)
     layers = getattr(model, "layers", None)
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or ()):
-        fully_shard(block, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     if head:
-        fully_shard([embedding, *head] if tied else head, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard([embedding, *head] if tied else head, reshard_after_forward=False, **kwargs)
+    # explicit: since torch 2.8 a root given True reshards too (pytorch#154704); before, FSDP2 kept it gathered
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     if not reshard_after_forward:
         track_unsharded_params(model, mesh)
     shape = "x".join(str(s) for s in mesh.shape)

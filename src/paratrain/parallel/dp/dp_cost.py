@@ -77,6 +77,19 @@ def fsdp_meshes(layout, params: float, grads: float, expert_share: float, gpn: i
     return meshes
 
 
+def gathered_once(chunks: list) -> float:
+    """ZeRO-3's parameter bytes gathered once per micro-batch, not again for the backward: the norm + head, and a
+    tied table's whole group (embedding, norm, head), which stay unsharded from their forward to their backward
+    (data_parallel.apply_fsdp). Every other group is gathered for its forward and again for its backward."""
+    total = 0.0
+    for c in chunks:
+        head = c.tr.unit_params("head")
+        if head and c.tr.key.args.tie_embeddings:
+            head += c.tr.unit_params("pre")  # 0 on a last pipeline stage: its tied copy is the head's own
+        total += head
+    return total
+
+
 def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of, dist_optimizer: bool = False,
                        expert_share: float = 0.0) -> float:
     """Exposed seconds of the data-parallel collectives of one step on one rank (`expert_share`: the experts'
@@ -93,13 +106,20 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
                   for size, where, rails, p, g in fsdp_meshes(layout, params, grads, expert_share, gpn, rails_of)]
         n = meshes[0][0]
         blocks = max(sum(c.layers for c in chunks), 1)
-        groups = blocks + sum((c.tr.key.part in ("whole", "first")) + (c.tr.key.part in ("whole", "last"))
-                              for c in chunks)  # each block, the embedding and the head are gathered alone
-        # one collective per group: the total bytes, and a latency per call
-        gathers = m * (2 if layout.zero_stage == 3 else 1)  # ZeRO-3 gathers again for the backward
-        for size, _, _, p, g in meshes:
-            est.add_comm("all_gather", p, size, gathers)
+        heads = sum(c.tr.key.part in ("whole", "last") for c in chunks)
+        groups = blocks + heads + sum(c.tr.key.part in ("whole", "first") for c in chunks)
+        # each block, the embedding and the head are gathered alone: one collective per group (the total bytes,
+        # and a latency per call). ZeRO-3 gathers again for the backward, all but the head's group (in the dense
+        # mesh; with a tied table, the embedding's group is the head's)
+        once = gathered_once(chunks) / half if layout.zero_stage == 3 else 0.0
+        kept = heads + sum(c.tr.key.part == "whole" and c.tr.key.args.tie_embeddings for c in chunks)
+        regroups = (groups - kept) / groups if layout.zero_stage == 3 else 0.0  # the share gathered again
+        for i, (size, _, _, p, g) in enumerate(meshes):
+            est.add_comm("all_gather", p, size, m)
+            if layout.zero_stage == 3:
+                est.add_comm("all_gather", p - (once if i == 0 else 0.0), size, m)
             est.add_comm("reduce_scatter", g, size)
+        gathers = m * (1 + regroups)  # whole-model gathers per step, for the copies below
         gathered = sum(p for *_, p, _ in meshes)
         grads = sum(g for *_, g in meshes)
         measured = [fsdp_group_costs(profile, size, where) for size, where, *_ in meshes]
@@ -107,8 +127,7 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
             exposed = 0.0
             for (gather, bwd_gather, reduce_scatter), (*_, p, g) in zip(measured, meshes):
                 exposed += m * groups * gather(p / groups) + groups * reduce_scatter(g / groups)
-                if layout.zero_stage == 3:
-                    exposed += m * groups * bwd_gather(p / groups)
+                exposed += m * regroups * groups * bwd_gather(p / groups)
             return exposed + hsdp_all_reduce(profile, layout, grads / n, est, rails_of)
         ag_first = sum(collective_time(profile, "all_gather", p / groups, size, where, rails)
                        for size, where, rails, p, _ in meshes)
@@ -116,8 +135,7 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
         rs = sum(collective_time(profile, "reduce_scatter", g / groups, size, where, rails)
                  for size, where, rails, _, g in meshes) * groups
         exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
-        if layout.zero_stage == 3:
-            exposed += m * max(0.0, ag - overlap * bwd)
+        exposed += m * max(0.0, regroups * ag - overlap * bwd)
         rs_last = rs / groups
         exposed += rs_last + max(0.0, rs - rs_last - overlap * bwd)
         # FSDP's own work on the host and in memory: per group, per gather and reduce-scatter, bookkeeping and

@@ -29,16 +29,19 @@ def shard_states(s, tr, args, layout, part: str, layers: int, dtype: str, notes:
         if layout.zero_stage == 2:
             held = unsharded_all  # reshard_after_forward=False: every gathered parameter waits for backward
         else:
-            # ZeRO-3 gathers a group for its forward and again for its backward, and prefetches the next one.
-            # The traced peak (often the loss over the logits, when the head is already resharded) competes
-            # with the moments each group is gathered: take the highest.
+            # ZeRO-3 gathers a block for its forward and again for its backward, and prefetches the next one.
+            # The norm + head stay gathered from their forward to their backward (data_parallel.apply_fsdp), so
+            # the loss over the logits (often the traced peak) sees them unsharded. The traced peak competes
+            # with these moments: take the highest.
             head_bytes = (args.vocab_size * args.dim / layout.tp + args.dim) * per_param if head else 0.0
             # a group being gathered exists twice for a moment (all-gather buffer + unsharded copy), next to
             # the group in use (or the one prefetched)
             moments = [tr.scalar("block_fwd_mark", layers) + 3 * per_block,
                        tr.scalar("block_bwd_mark", layers) + 3 * per_block]
             if head:
-                moments.append(tr.scalar("head_bwd_mark", layers) + 2 * head_bytes + per_block)
+                # the loss with the head held, and the head's backward with the last block being gathered
+                moments += [tr.scalar("head_peak", layers) + head_bytes,
+                            tr.scalar("head_bwd_mark", layers) + head_bytes + 2 * per_block]
             # the marks come from the first micro-batch; later ones also hold the accumulated gradients
             accumulated = s.fb.grads - tr.phase("first_mb", layers).grads
             traced_peak = s.fb.total - s.optimizer  # the marks were taken without optimizer state

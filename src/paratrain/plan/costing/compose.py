@@ -81,6 +81,7 @@ class Walk:
     block_fwd_mark: float = 0.0
     block_bwd_mark: float = 0.0
     head_bwd_mark: float = 0.0
+    head_peak: float = 0.0  # the highest live bytes in the head's forward (the loss) and backward
 
 
 def walk(ut: UnitTrace, part: str, layers: int, pas: str) -> Walk:
@@ -110,6 +111,7 @@ def walk(ut: UnitTrace, part: str, layers: int, pas: str) -> Walk:
     # the other blocks' autocast weight copies live until the forward leaves autocast (in the head's segment)
     others = (layers - 1) * ut.exit_freed.get("block", 0.0)
     if has_head:
+        w.head_peak = live + ut.seg(pas, "head", "fwd").peak
         step("head", "fwd")
         live -= others
     else:
@@ -117,6 +119,7 @@ def walk(ut: UnitTrace, part: str, layers: int, pas: str) -> Walk:
     w.activations = live - start
     if has_head:
         w.head_bwd_mark = live + ut.seg(pas, "head", "bwd").mark
+        w.head_peak = max(w.head_peak, live + ut.seg(pas, "head", "bwd").peak)
         step("head", "bwd")
     else:
         live += io  # the gradient received from the next stage
@@ -162,6 +165,10 @@ class Composed:
     def per_block_params(self) -> float:
         return self.ut.params["block"]
 
+    def unit_params(self, unit: str) -> float:
+        """Parameter bytes of one unit ("pre", "block" or "head"), 0 where this part has none."""
+        return self.ut.params[unit] * counts(self.key.part, 1)[unit]
+
     def _opt(self, layers: int):
         lo = trace_optimizer(self.key.args, self.key.part, self.key.tp, self.key.device_type, 1)
         hi = trace_optimizer(self.key.args, self.key.part, self.key.tp, self.key.device_type, 2)
@@ -180,7 +187,7 @@ class Composed:
         if name == "optimizer":
             lo, hi, k = self._opt(layers)
             return lo.optimizer + k * (hi.optimizer - lo.optimizer)
-        if name in ("activations", "block_fwd_mark", "block_bwd_mark", "head_bwd_mark"):
+        if name in ("activations", "block_fwd_mark", "block_bwd_mark", "head_bwd_mark", "head_peak"):
             return getattr(self._walk(layers, "first"), name)
         raise KeyError(name)
 
