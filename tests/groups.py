@@ -45,8 +45,16 @@ VERIFY = {
         {"id": "moe-ep2-capacity", "strategy": "ep", "model": "moe-tiny", "steps": 3, "moe_capacity_factor": 0.5},
         # the speed options that run on CPU (issue 47): the same arithmetic in fp32, verify's bf16 bounds in bf16
         {"id": "speed-fused-qkv-zero3", "strategy": "zero3", "fused_qkv": True, "steps": 3},
+        # --optimizer-graph with the clip active (0.05 is below gpt2-tiny's gradient norms); --bf16-param-copies
+        {"id": "speed-optimizer-graph-ddp", "strategy": "ddp", "model": "gpt2-tiny", "optimizer_graph": True,
+         "grad_clip": 0.05, "steps": 3},
+        {"id": "speed-bf16-param-copies-ddp", "strategy": "ddp", "model": "gpt2-tiny", "dtype": "bf16",
+         "bf16_param_copies": True, "steps": 3},
         {"id": "speed-gpt2-bf16-zero2", "strategy": "zero2", "model": "gpt2-tiny", "dtype": "bf16", "steps": 3,
-         "fused_qkv": True, "bf16_residual": True}],
+         "fused_qkv": True, "bf16_residual": True},
+        # --fused-loss: the loss inside GPT-2's tied head, whose weight FSDP makes whole in that unit's forward
+        {"id": "speed-fused-loss-gpt2-zero3", "strategy": "zero3", "model": "gpt2-tiny", "fused_loss": True,
+         "steps": 3}],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},

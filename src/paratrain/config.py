@@ -107,13 +107,24 @@ class _RunFields(BaseModel):
     tf32: bool = Field(True, description="fp32 on CUDA: TF32 matmuls (default on)")
     cuda_graphs: bool = Field(False, description="one GPU: compile the whole model with CUDA graphs "
                               "(mode=reduce-overhead)")
-    # fp32 logits of one chunk at a time
-    loss_chunks: int = Field(1, ge=1, description="cross-entropy in N token chunks (1: plain)")
+    # fp32 logits of one chunk at a time (models/fused_loss.py; train/loss_choice.py says where it runs)
+    loss_chunks: int = Field(1, ge=1, description="cross-entropy in N token chunks, fused with the output head as "
+                                                  "--fused-loss (1: plain, or --fused-loss's own count)")
+    fused_loss: bool = Field(False, description="the output head's linear and the cross-entropy fused over token "
+                                                "chunks: no full fp32 logits, their gradient written in the forward; "
+                                                "chunks: --loss-chunks N, else so one chunk's fp32 logits stay under "
+                                                "256 MiB (not with --tp, --pp, fp16, hf: or --script models)")
     # speed options (models/speed.py): how the model computes, never its parameters or checkpoints
     bf16_residual: bool = Field(False, description="with --dtype bf16: keep the residual stream between blocks in "
                                                    "bf16 (the norms' statistics stay fp32; no effect otherwise)")
     fused_qkv: bool = Field(False, description="Q, K and V as one GEMM over the concatenated weights (the same "
                                                "parameters and checkpoints; not with --tp yet)")
+    # train/optimizer_graph.py, train/param_copies.py
+    optimizer_graph: bool = Field(False, description="fold the gradient clip into the fused AdamW step; on CUDA "
+                                  "capture that step in a CUDA graph (not with fp16, zero1 or --cpu-offload)")
+    bf16_param_copies: bool = Field(False, description="with --dtype bf16: the forward reads bf16 copies of the "
+                                    "linear weights written after each optimizer step (fp32 masters stay; not with "
+                                    "FSDP or tp; no effect otherwise)")
     ac: Literal[AC_MODES] = Field(AC_MODES[0], description=f"activation checkpointing: {one_of(AC_MODES)}")
     compile: bool = Field(False, description="torch.compile each block")
     memory_snapshot: bool = Field(False, description="CUDA: record memory history; dump a snapshot for "

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.speed import ModelSpeed
+from paratrain.models.weight_copies import linear_operands
 
 
 def bf16_stream(h: torch.Tensor, speed: ModelSpeed) -> torch.Tensor:
@@ -49,6 +50,8 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear,
     output split back. Projections swapped for another linear (FP8's) run as their own modules."""
     if not fused or not all(type(m) is nn.Linear for m in (wq, wk, wv)):
         return wq(x), wk(x), wv(x)
-    weight = torch.cat((wq.weight, wk.weight, wv.weight))
-    bias = None if wq.bias is None else torch.cat((wq.bias, wk.bias, wv.bias))
+    # the parameters, or their bf16 copies where --bf16-param-copies attached them (models/weight_copies.py)
+    (q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias) = (linear_operands(m, x) for m in (wq, wk, wv))
+    weight = torch.cat((q_weight, k_weight, v_weight))
+    bias = None if q_bias is None else torch.cat((q_bias, k_bias, v_bias))
     return F.linear(x, weight, bias).split((wq.out_features, wk.out_features, wv.out_features), dim=-1)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.fast_paths import StreamLayerNorm, bf16_stream, leave_stream, project_qkv
+from paratrain.models.fused_loss import OutputHead
 from paratrain.models.llama import ModelArgs, causal_sdpa
 from paratrain.models.speed import ModelSpeed
 
@@ -94,7 +95,7 @@ class GPT2(nn.Module):
         self.tok_embeddings: nn.Module | None = GPT2Embeddings(args)
         self.layers = nn.ModuleDict({str(i): GPT2Block(args, speed) for i in range(args.n_layers)})
         self.norm: nn.Module | None = layer_norm(args, speed)
-        self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Module | None = OutputHead(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.tokens.weight
 
@@ -115,11 +116,13 @@ class GPT2(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                loss_chunks: int | None = None) -> torch.Tensor:
         """tokens: (batch, seq) ids, or hidden states on a later pipeline stage.
 
-        positions, doc_ids: as the Llama decoder's (models/llama.py): global positions under context parallel,
-        or per-document positions and document ids of packed rows.
+        positions, doc_ids, targets, loss_chunks: as the Llama decoder's (models/llama.py): global positions under
+        context parallel, or per-document positions and document ids of packed rows; the loss instead of the
+        logits (--fused-loss), taken by the tied head.
         """
         if self.tok_embeddings is not None:
             if positions is None:
@@ -134,4 +137,6 @@ class GPT2(nn.Module):
             h = self.norm(h)
         elif self.output is None:
             h = leave_stream(h, entry_dtype, self.speed)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.output(h, targets, loss_chunks)

@@ -15,6 +15,7 @@ from torch import nn
 
 from paratrain.models.args import ModelArgs
 from paratrain.models.fast_paths import bf16_stream, leave_stream, project_qkv, stream_rms_norm
+from paratrain.models.fused_loss import OutputHead
 from paratrain.models.speed import ModelSpeed
 
 
@@ -145,7 +146,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, speed) for i in range(args.n_layers)})
         self.norm: nn.Module | None = rms_norm(args, speed)
-        self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Module | None = OutputHead(args.dim, args.vocab_size)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init from a seed, independent of device and of how the model is later split."""
@@ -160,12 +161,15 @@ class Transformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                loss_chunks: int | None = None) -> torch.Tensor:
         """tokens: (batch, seq) ids, or hidden states on a later pipeline stage.
 
         positions: global token positions (seq,) when the sequence is sharded (context parallel), or each token's
         position inside its document (batch, seq) for packed rows. doc_ids: (batch, seq) document ids of packed
-        rows (the whole row's under context parallelism): attention never crosses a document.
+        rows (the whole row's under context parallelism): attention never crosses a document. targets (batch, seq):
+        the head returns the mean loss over them instead of the logits (--fused-loss: models/fused_loss.py),
+        over `loss_chunks` token chunks (None: its own count).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -178,4 +182,6 @@ class Transformer(nn.Module):
             h = self.norm(h)
         elif self.output is None:
             h = leave_stream(h, entry_dtype, self.speed)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.output(h, targets, loss_chunks)

@@ -29,6 +29,7 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.train.data.indexed_sets import Batch, BatchSource, IndexedSet
+from paratrain.train.loss_choice import check_fused_loss
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CustomModel:
             raise UserError(f"tensor parallelism needs a TP plan for the custom model {self.name} (tp_plan=...)")
         if cfg.init_from:
             raise UserError("--init-from loads Hugging Face weights into a paratrain preset, not a custom model")
+        check_fused_loss(cfg, layout, custom_name=self.name)
         if cfg.eval_every or cfg.val_data or cfg.val_fraction:
             raise UserError("validation (--eval-every, --val-*) is for paratrain's language-model data, not a "
                             "custom model's")

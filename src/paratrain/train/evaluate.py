@@ -102,7 +102,7 @@ def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
         inputs, targets, extra = batch_inputs(runner.prepare_batch, mb)
         with runner.loss_context():  # TP: the logits stay vocab-sharded, as in training
             with autocast_context(runner.device.type, runner.dtype, runner.use_autocast):
-                logits = runner.model(inputs, **extra)
+                logits = runner.model_output(inputs, targets, extra)
             if mb.global_tokens is not None:  # document data: the mean over the real tokens
                 total += plain_loss(real_token_loss(runner.loss_fn, logits, targets, mb, weighting).detach().float())
                 continue

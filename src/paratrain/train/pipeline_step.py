@@ -202,7 +202,7 @@ class PipelineStep:
     def build_optimizers(self, cfg) -> list:
         """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
         return [build_optimizer(list(part.parameters()), cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                                self.device.type) for part in self.model_parts]
+                                self.device.type, optimizer_graph=cfg.optimizer_graph) for part in self.model_parts]
 
     def after_optimizer_step(self) -> None:
         run_after_optimizer_step(self.model_parts)

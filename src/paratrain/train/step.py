@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.tied_weights import is_tied_copy
 from paratrain.train.data.indexed_sets import Batch
+from paratrain.train.loss_choice import FusedLoss
 from paratrain.train.step_runner import run_after_optimizer_step
 
 # fp8: torchao's float8 linears do their own casts; everything around them runs as under bf16
@@ -25,20 +25,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
-
-
-def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """lm_loss taken over `chunks` slices of the tokens, each under a (non-reentrant) checkpoint: the fp32 copy
-    of the logits and its log-softmax exist for one slice at a time, in the forward and again in the backward,
-    never for every token x the whole vocabulary at once. Equal to lm_loss up to fp32 summation order."""
-    flat, target = logits.flatten(0, 1), targets.flatten()
-    total = None
-    for part, part_target in zip(flat.chunk(chunks), target.chunk(chunks)):
-        piece = checkpoint(_ce_sum, part, part_target, use_reentrant=False)
-        total = piece if total is None else total + piece
-    return total / (target != -100).sum().clamp_min(1)
+def head_loss(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss function under the fused loss (train/loss_choice.py FusedLoss): the model's head already took the
+    mean over the real targets (models/fused_loss.py, chunked over the tokens)."""
+    return loss
 
 
 def autocast_context(device_type: str, dtype: str, enabled: bool = True):
@@ -93,10 +83,11 @@ class PlainStep:
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: str, use_autocast: bool, scaler=None,
                  prepare_batch=None, loss_fn=lm_loss, loss_parallel: bool = False, mark_graph_steps: bool = False,
-                 loss_weighting: LossWeighting | None = None, hooks=None):
+                 loss_weighting: LossWeighting | None = None, hooks=None, fused_loss: FusedLoss | None = None):
         self.model, self.device, self.dtype = model, device, dtype
         self.use_autocast, self.scaler = use_autocast, scaler
-        self.loss_fn = loss_fn  # lm_loss (or chunked), or its torch.compile'd version under --compile
+        self.loss_fn = loss_fn  # lm_loss, or its torch.compile'd version under --compile; head_loss when fused
+        self.fused_loss = fused_loss  # --fused-loss: the model takes the targets and returns the loss
         self.loss_parallel = loss_parallel  # TP: vocab-sharded logits; loss and backward under loss_parallel()
         self.mark_graph_steps = mark_graph_steps  # --cuda-graphs: each forward starts a new captured step
         self.prepare_batch = prepare_batch  # e.g. context parallelism's sequence sharding
@@ -127,6 +118,12 @@ class PlainStep:
     def verify_extras(self) -> dict:
         return {}
 
+    def model_output(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict) -> torch.Tensor:
+        """What loss_fn takes: the model's logits, or under the fused loss its loss over `targets`."""
+        if self.fused_loss is None:
+            return self.model(inputs, **extra)
+        return self.model(inputs, **extra, **self.fused_loss.model_kwargs(targets))
+
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Mean loss over this rank's tokens (detached); leaves gradients in .grad. Under --dp-batch-split, this
         rank's share of the global mean x dp (the trainer's average over dp then gives the global mean)."""
@@ -142,11 +139,11 @@ class PlainStep:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.compute_context(i), _no_grad_sync(self.model, last), self.loss_context():
                 with autocast_context(self.device.type, self.dtype, self.use_autocast):
-                    logits = self.model(inputs, **extra)
+                    out = self.model_output(inputs, targets, extra)  # logits, or the fused loss
                 if mb.global_tokens is not None:
-                    loss = real_token_loss(self.loss_fn, logits, targets, mb, self.loss_weighting)
+                    loss = real_token_loss(self.loss_fn, out, targets, mb, self.loss_weighting)
                 else:
-                    loss = self.loss_weighting.dense_loss(self.loss_fn(logits, targets), n)
+                    loss = self.loss_weighting.dense_loss(self.loss_fn(out, targets), n)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss = loss.detach()
             total += plain_loss(loss)

@@ -35,14 +35,17 @@ from paratrain.train.fit_summary import FitRun, fit_summary, log_run_start
 from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.host_memory import ResidentBaseline
+from paratrain.train.loss_choice import FusedLoss
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
 from paratrain.train.optim import build_optimizer, lr_at, set_lr
+from paratrain.train.optimizer_graph import OptimizerGraph
+from paratrain.train.param_copies import ParamCopies, wants_bf16_copies
 from paratrain.train.precision import enable_tf32, peak_dtype
 from paratrain.train.recovery import checkpoint as ckpt
 from paratrain.train.recovery.run_failures import RunFailed
 from paratrain.train.runtime import Runtime
-from paratrain.train.step import PlainStep, chunked_lm_loss, clip_grad_norm, lm_loss
+from paratrain.train.step import PlainStep, clip_grad_norm, head_loss, lm_loss
 from paratrain.train.step_record import LaunchedStep, PendingSteps, StepTiming
 from paratrain.train.step_runner import StepRunner
 
@@ -205,32 +208,40 @@ class Trainer:
             from paratrain.parallel.compile import apply_compile
 
             model = apply_compile(model, whole=True, mode="reduce-overhead")
+        fused = FusedLoss.of(self.cfg)  # the model's head takes the targets and returns the loss (no logits)
         if self.custom and self.custom.loss_fn:
             loss_fn = self.custom.loss_fn
-        elif self.cfg.loss_chunks > 1:
-            loss_fn = functools.partial(chunked_lm_loss, chunks=self.cfg.loss_chunks)
+        elif fused is not None:
+            loss_fn = head_loss
         else:
             loss_fn = lm_loss
         # DTensor logits stay eager: the loss_parallel() context is not traced
-        if (layout.compile or graphs) and not layout.splits_within_layers:
+        if (layout.compile or graphs) and not layout.splits_within_layers and fused is None:
             loss_fn = compile_loss(loss_fn)
         weighting = self.loss_weighting
         self.loss_weighting = weighting.with_dense_weight(
             self.hooks.apply_loss_weight(layout, self.dp_rank, weighting.dense_weight))
         return PlainStep(model, self.rt.device, self.cfg.dtype, use_autocast, self.scaler, prepare, loss_fn=loss_fn,
                          loss_parallel=loss_parallel, mark_graph_steps=graphs, loss_weighting=self.loss_weighting,
-                         hooks=self.hooks)
+                         hooks=self.hooks, fused_loss=fused)
 
     def _build_optimizers(self) -> list:
+        """The optimizers (the runner's own, ZeRO-1's or AdamW), and what steps beside them: --optimizer-graph's
+        folded (on CUDA captured) step, --bf16-param-copies' copies (train/optimizer_graph.py, param_copies.py)."""
         cfg = self.cfg
-        own = self.step_runner.build_optimizers(cfg)
-        if own is not None:
-            return own
-        if self.layout.zero_stage == 1:
+        optimizers = self.step_runner.build_optimizers(cfg)
+        if optimizers is None and self.layout.zero_stage == 1:
             from paratrain.parallel.dp.data_parallel import build_zero1_optimizer
 
-            return [build_zero1_optimizer(self.params, cfg, self.layout, self.rt.device_type)]
-        return [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.rt.device_type)]
+            optimizers = [build_zero1_optimizer(self.params, cfg, self.layout, self.rt.device_type)]
+        elif optimizers is None:
+            optimizers = [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
+                                          self.rt.device_type, optimizer_graph=cfg.optimizer_graph)]
+        self.optimizer_graph = OptimizerGraph(optimizers, cfg.grad_clip, self.rt.device) \
+            if cfg.optimizer_graph else None
+        self.param_copies = ParamCopies(self.step_runner.model_parts) \
+            if wants_bf16_copies(cfg, self.layout) else None
+        return optimizers
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def ckpt_dir(self) -> str | None:
@@ -387,16 +398,23 @@ class Trainer:
             if self.scaler:
                 self.scaler.unscale_(opt)
         pp_group = self.layout.submesh("pp").get_group() if self.layout.splits_stages else None
-        norm = clip_grad_norm(self.params, self.cfg.grad_clip, pp_group)
+        # --optimizer-graph: the norm alone here; its clip scale enters the fused step
+        folded = self.optimizer_graph is not None
+        norm = clip_grad_norm(self.params, 0.0 if folded else self.cfg.grad_clip, pp_group)
         self.hooks.fire("before_optimizer_step", self)
-        for opt in self.optimizers:
-            if self.scaler:
-                self.scaler.step(opt)
-            else:
-                opt.step()
+        if folded:
+            self.optimizer_graph.step(norm)
+        else:
+            for opt in self.optimizers:
+                if self.scaler:
+                    self.scaler.step(opt)
+                else:
+                    opt.step()
         if self.scaler:
             self.scaler.update()
         self.step_runner.after_optimizer_step()  # e.g. local SGD's periodic parameter averaging
+        if self.param_copies is not None:
+            self.param_copies.write()
         return lr, norm
 
     def global_loss(self, local: torch.Tensor, read: bool = True) -> float | torch.Tensor:

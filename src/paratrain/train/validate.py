@@ -17,7 +17,10 @@ from paratrain.parallel.tp.tp_technique import check_tp_divides, check_tp_speed
 from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data.source import make_train_data
 from paratrain.train.hf_run_checks import check_hf_run, warn_unapplied_balancing_loss
+from paratrain.train.loss_choice import check_fused_loss
 from paratrain.train.memory_snapshot import check_memory_snapshot
+from paratrain.train.optimizer_graph import check_optimizer_graph
+from paratrain.train.param_copies import check_bf16_param_copies
 from paratrain.train.precision import check_precision
 from paratrain.train.runtime import pick_device_type
 
@@ -43,11 +46,14 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     layout = resolve_layout(cfg, world_size)
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
     check_tp_speed(model_speed_for(cfg), layout.tp)
+    check_fused_loss(cfg, layout, hf=is_hf_model(cfg.model))
     if is_hf_model(cfg.model):  # what a transformers model cannot run, before any process starts
         check_hf_run(layout, cfg, args)
         warn_past_trained_positions(cfg)
         warn_unapplied_balancing_loss(layout, cfg)
     check_precision(cfg, layout, device_type)
+    check_optimizer_graph(cfg, layout)
+    check_bf16_param_copies(cfg, layout)
     make_train_data(cfg, args.vocab_size).check()
     from paratrain.train.evaluate import build_validator
 

@@ -129,7 +129,8 @@ class Fingerprints:
         def hook(module, args, output):
             if isinstance(output, (tuple, list)):
                 output = output[0] if output else None
-            if not torch.is_tensor(output) or _in_backward() or not torch.is_grad_enabled():
+            # a 0-dim output is a loss (--fused-loss's head returns its mean): no activation whose sums add over ranks
+            if not torch.is_tensor(output) or output.dim() == 0 or _in_backward() or not torch.is_grad_enabled():
                 return
             if path not in self.order:
                 self.order.append(path)
