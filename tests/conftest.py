@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import pytest
 
 from groups import APPROX_RUNS, APPROX_STEPS, VERIFY, launch
@@ -20,15 +24,32 @@ def cli(tmp_path):
     return _run
 
 
+@dataclass
+class RanksResult(CLIResult):
+    """A cli_here(..., ranks=True) call's result: stderr holds each rank's output (rank by rank) before this
+    process's own; rank_pids: every rank process the run started."""
+
+    rank_pids: list[int] = field(default_factory=list)
+
+
 @pytest.fixture
 def cli_here(tmp_path):
     """The `cli` fixture's calls in this process (reliability/inproc.py's run_cli_inproc, cwd = tmp_path, `env` added
     for the call): no interpreter or torch start, and --nproc > 1 workers fork from the session's warm
-    forkserver. A --nproc 1 run runs here, so its log is in stderr; a worker process's own output is not."""
+    forkserver. A --nproc 1 run runs here, so its log is in stderr; a worker process's own output is not, unless
+    ranks=True (support/rank_output.py): then a RanksResult, with the ranks' output ahead of this process's."""
     from reliability.inproc import run_cli_inproc
+    from support import rank_output
 
-    def _run(*args: str, timeout: float | None = None, env: dict | None = None) -> CLIResult:
-        return CLIResult(*run_cli_inproc(list(args), cwd=tmp_path, env=env))  # the test's own timeout bounds it
+    def _run(*args: str, timeout: float | None = None, env: dict | None = None, ranks: bool = False) -> CLIResult:
+        if not ranks:
+            return CLIResult(*run_cli_inproc(list(args), cwd=tmp_path, env=env))  # the test's own timeout bounds it
+        with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+            plugins = ",".join(filter(None, [(env or {}).get("PARATRAIN_PLUGINS"), "support.rank_output:plugin"]))
+            env = {**(env or {}), "PARATRAIN_PLUGINS": plugins, rank_output.OUTPUT_ENV: folder}
+            code, out, err = run_cli_inproc(list(args), cwd=tmp_path, env=env)
+            return RanksResult(code, out, rank_output.rank_logs(Path(folder)) + err,
+                               rank_output.rank_pids(Path(folder)))
 
     return _run
 

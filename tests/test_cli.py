@@ -56,14 +56,14 @@ def test_bad_input_from_a_real_process(cli, tmp_path, args, needle):
     one_line_exit_2_nothing_written(cli(*args, timeout=60), tmp_path, needle)
 
 
-def test_help_for_every_command(cli):
+def test_help_for_every_command(cli_inproc):
     for cmd in ("train", "verify", "env"):
-        res = cli(cmd, "--help", timeout=60)
+        res = cli_inproc(cmd, "--help")
         assert res.returncode == 0 and "--json" in res.stdout + res.stderr or cmd == "train"
 
 
-def test_env_json(cli):
-    res = cli("env", "--json", timeout=60)
+def test_env_json(cli_inproc):
+    res = cli_inproc("env", "--json")
     assert res.returncode == 0
     report = res.json()
     assert report["gloo"] is True and report["torch"]

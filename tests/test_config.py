@@ -6,14 +6,14 @@ from paratrain.config import TrainConfig, load_config
 from paratrain.errors import UserError
 
 
-def test_print_config_output_is_a_valid_config(tmp_path, cli):
-    first = cli("train", "--print-config", "--model", "small", "--lr", "0.001", "--tp", "2", "--strategy", "tp")
+def test_print_config_output_is_a_valid_config(tmp_path, cli_inproc):  # it starts no run: in this process
+    first = cli_inproc("train", "--print-config", "--model", "small", "--lr", "0.001", "--tp", "2", "--strategy", "tp")
     assert first.returncode == 0, first.stderr
     path = tmp_path / "resolved.toml"
     path.write_text(first.stdout)
     cfg = load_config(str(path), {})
     assert (cfg.model, cfg.lr, cfg.tp, cfg.strategy) == ("small", 0.001, 2, "tp")
-    second = cli("train", "--print-config", "--config", str(path))
+    second = cli_inproc("train", "--print-config", "--config", str(path))
     assert second.stdout == first.stdout
     assert not (tmp_path / "runs").exists()
 

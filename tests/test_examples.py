@@ -44,12 +44,12 @@ def test_train_script_from_the_cli(cli_here, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_custom_model_with_a_tp_plan_matches_single(cli, tmp_path):
+def test_custom_model_with_a_tp_plan_matches_single(cli_here, tmp_path):
     script = os.path.join(REPO, "tests", "tp_custom_model.py") + ":build"
     runs = {}
-    for strategy in ("single", "tp"):
-        res = cli("train", "--script", script, "--strategy", strategy, "--nproc", "2", "--steps", "4",
-                  "--global-batch", "8", "--out", strategy, "--json")
+    for strategy in ("single", "tp"):  # in this process; the tp ranks' output comes back in stderr (ranks=True)
+        res = cli_here("train", "--script", script, "--strategy", strategy, "--nproc", "2", "--steps", "4",
+                       "--global-batch", "8", "--out", strategy, "--json", ranks=True)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[strategy] = [json.loads(x)["loss"] for x in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     assert "applied tensor parallel" in res.stderr.lower() or "tp=2" in res.stderr, res.stderr[-2000:]

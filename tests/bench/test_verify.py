@@ -23,10 +23,11 @@ CONTRACT = {"strategy", "dims", "world_size", "steps", "dtype", "tolerance", "ma
 
 
 @pytest.mark.timeout(240)
-def test_verify_ddp_two_ranks_passes(cli):
+def test_verify_ddp_two_ranks_passes(cli_here):
     """The CLI's contract, on DDP with full activation checkpointing (reference: one process, ac none): one launch
-    for what were three (the contract, AC under DDP, the model-state bytes in the JSON)."""
-    res = cli("verify", "--strategy", "ddp", "--nproc", "2", "--ac", "full", "--steps", "5", "--json")
+    for what were three (the contract, AC under DDP, the model-state bytes in the JSON). In this process, the
+    ranks' output in stderr (ranks=True)."""
+    res = cli_here("verify", "--strategy", "ddp", "--nproc", "2", "--ac", "full", "--steps", "5", "--json", ranks=True)
     assert res.returncode == 0, res.stderr[-2000:]
     report = res.json()
     assert CONTRACT <= set(report)

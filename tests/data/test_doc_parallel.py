@@ -20,12 +20,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import cli_env, plugin_env
+from helpers import plugin_env
 from reliability.inproc import launch_here
 from support.doc_corpus import make_corpus
 
@@ -161,14 +160,13 @@ def last_losses(metrics) -> dict[int, float]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_sigkill_resume_is_bit_identical(group, corpus, tmp_path, strategy):
-    args = ["train", "--strategy", strategy, "--nproc", "2", "--device", "cpu", "--data", mixture(corpus),
-            "--tokenizer", corpus["tok"], "--vocab-size", "320", "--seq-len", "64", "--global-batch", "4",
-            "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--ckpt-dir", "ck", "--resume", "auto",
-            "--out", "run", "--max-restarts", "1", "--timeout-s", "120"]
-    env = cli_env(plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=KILL))
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", *args], capture_output=True, text=True,
-                          timeout=280, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+def test_sigkill_resume_is_bit_identical(cli_here, group, corpus, tmp_path, strategy):
+    # in this process: the ranks (and their restarts) fork from the warm forkserver; their output in stderr
+    proc = cli_here("train", "--strategy", strategy, "--nproc", "2", "--device", "cpu", "--data", mixture(corpus),
+                    "--tokenizer", corpus["tok"], "--vocab-size", "320", "--seq-len", "64", "--global-batch", "4",
+                    "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--ckpt-dir", "ck", "--resume", "auto",
+                    "--out", "run", "--max-restarts", "1", "--timeout-s", "120",
+                    env=plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=KILL), ranks=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from ck/step-2 (step 2)" in proc.stderr
     losses = last_losses(tmp_path / "run" / "metrics.jsonl")

@@ -120,10 +120,11 @@ def render(exe: str, page: Path, shot: Path) -> str:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
              f"--user-data-dir={shot.parent / 'chromium-profile'}"]
     url = page.resolve().as_uri()
-    subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1000,1400", url],
-                   capture_output=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
-    dom = subprocess.run([exe, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120,
-                         check=True, stdin=subprocess.DEVNULL).stdout
+    shot.unlink(missing_ok=True)  # a screenshot of an earlier page must not pass for this one's
+    # one start of the browser does both: the screenshot to its file, the DOM to stdout
+    dom = subprocess.run([exe, *flags, f"--screenshot={shot}", "--window-size=1000,1400", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL).stdout
+    assert shot.is_file(), f"Chromium wrote no screenshot of {page}"
     return parse_page(dom).text()
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import cli_env
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.parallel.layout import Layout
@@ -26,16 +24,22 @@ from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.strategies import config_fields, resolve_layout
 from paratrain.parallel.uneven_split import dp_micro_batches, stage_layer_counts
 from paratrain.train.data.indexed_sets import BatchSource, SyntheticMarkov
+from reliability.inproc import launch_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_MARGIN = 5  # tolerance / largest error seen, per check; measured margins are in docs/strategies.md
 
 
 def launch(nproc: int) -> dict:
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "uneven_worker.py"), str(nproc)], capture_output=True,
-                          text=True, timeout=300, env=cli_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """uneven_worker.py's checks on `nproc` ranks forked from this process's warm forkserver (no interpreter or
+    torch start per rank); to rerun by hand: python tests/parallel/uneven_worker.py NPROC."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)  # the ranks import uneven_worker by name (they get this sys.path)
+    import uneven_worker
+
+    report = launch_here(uneven_worker.worker, (nproc,), nproc, timeout_s=120.0)
+    assert report is not None
+    return json.loads(json.dumps(report, default=str))  # as the script prints it
 
 
 @pytest.fixture(scope="module")

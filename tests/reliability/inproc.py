@@ -43,11 +43,18 @@ def make_trainer(rt, **overrides):
     return Trainer(tiny_config(**overrides), rt, None, quiet=True)
 
 
+# Imported once by the suite's forkserver besides the launcher's PRELOAD: a transformers model's modules take
+# seconds to import, in every rank of every launch that builds one (tests/models, tests/interop, the hf cases of
+# tests/moe and tests/data, the README tour); the other model families then import in milliseconds. Skipped
+# where transformers is not installed (the forkserver ignores a preload that does not import).
+SUITE_PRELOAD = ("transformers.models.llama.modeling_llama",)
+
+
 def start_clean_forkserver() -> None:
     """Start this process's worker forkserver (if it is not running) from an environment without PARATRAIN_*
-    variables. Workers fork from it and inherit its environment; the launcher passes the caller's PARATRAIN_*
-    variables to each worker, but cannot unset one the server kept, so a server started under a test's plugin
-    would load that plugin into every later in-process run."""
+    variables, with SUITE_PRELOAD imported too. Workers fork from it and inherit its environment; the launcher
+    passes the caller's PARATRAIN_* variables to each worker, but cannot unset one the server kept, so a server
+    started under a test's plugin would load that plugin into every later in-process run."""
     import multiprocessing
     from multiprocessing import forkserver
 
@@ -58,7 +65,7 @@ def start_clean_forkserver() -> None:
         for var in [k for k in os.environ if k.startswith("PARATRAIN_")]:
             del os.environ[var]
         os.environ["OMP_NUM_THREADS"] = "1"  # as helpers.cli_env gives a subprocess
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *SUITE_PRELOAD])
         forkserver.ensure_running()
     finally:
         os.environ.clear()

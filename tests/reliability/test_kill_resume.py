@@ -47,17 +47,15 @@ def same_params(a: dict, b: dict) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,trial", TRIALS)
-def test_killed_rank_resumes_bit_identical(references, tmp_path, strategy, trial):
+def test_killed_rank_resumes_bit_identical(cli_here, references, tmp_path, strategy, trial):
     rng = random.Random(SEED * 100 + TRIALS.index((strategy, trial)))
     # a step strictly between two checkpoints, after the first one, so the restart must resume
     step = rng.choice([s for s in range(KILL_EVERY + 1, KILL_STEPS) if s % KILL_EVERY])
     rank = trial  # each strategy loses rank 0 once and rank 1 once
     what = f"{strategy} trial {trial}: SIGKILL rank {rank} after step {step} (PARATRAIN_KILL_SEED={SEED})"
-    run = run_train(
-        [*kill_args(strategy, "run", metrics=True), "--max-restarts", "1", "--json"],
-        tmp_path,
-        env=plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=f"{rank}:{step}"),
-    )
+    # in this process: the ranks (the killed one and its replacement too) fork from the warm forkserver
+    run = cli_here("train", *kill_args(strategy, "run", metrics=True), "--max-restarts", "1", "--json",
+                   env=plugin_env("support.kill_stall:plugin", PARATRAIN_FAULT_KILL=f"{rank}:{step}"), ranks=True)
     assert run.returncode == 0, f"{what}\n{run.stderr[-3000:]}"
     resumed_at = step - step % KILL_EVERY
     assert f"resumed from run/ck/step-{resumed_at} (step {resumed_at})" in run.stderr, what

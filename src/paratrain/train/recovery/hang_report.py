@@ -115,7 +115,8 @@ def dead_ranks(exits: dict[int, int | None], dumps: dict[int, dict]) -> dict[int
     # only the first rank that lost a peer: it looked before any rank exited, so before the launcher stopped the
     # rest (a later one would find those gone too)
     lost = sorted((d for d in dumps.values() if d.get("reason") == "lost_peer"), key=lambda d: d.get("time", 0))
-    stopped = {rank for rank, code in exits.items() if code is not None and -code in (signal.SIGTERM, signal.SIGINT)}
+    # stopped by the launcher: with SIGTERM, or killed as a stopped (SIGSTOP) rank once a peer timed out (exit None)
+    stopped = {rank for rank, code in exits.items() if code is None or -code in (signal.SIGTERM, signal.SIGINT)}
     for rank in lost[0].get("dead_peers") or [] if lost else []:
         # on a loaded machine that look can come after the launcher stopped a peer, or after a peer wrote its own
         # failure and exited
