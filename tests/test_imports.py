@@ -209,6 +209,12 @@ ALLOWED_REACHES = allowed({
     ("models/hf_model.py: patches self.hf.config._attn_implementation",):
         "transformers selects a registered attention function through config._attn_implementation",
     ("cli.py: reads os._exit",): "Python's documented immediate exit (os._exit)",
+    ("train/optimizer_graph.py: reads torch._foreach_copy_", "train/param_copies.py: reads torch._foreach_copy_"):
+        "one multi-tensor copy per step (torch's own optimizers use the _foreach ops); a Python loop of copy_ "
+        "launches a kernel per tensor, the cost these speed options remove",
+    ("train/param_copies.py: reads m._version",):
+        "the tensor's in-place version counter: the one way to see a weight changed outside the optimizer "
+        "(a checkpoint load, a healed replica) before a forward reads a stale bf16 copy",
     ("parallel/activation_checkpoint.py: reads block._checkpoint_wrapped_module",
      "parallel/compile.py: reads block._checkpoint_wrapped_module"): CHECKPOINT_WRAPPER,
     ("parallel/activation_checkpoint.py: reads nn.modules.dropout._DropoutNd",):
