@@ -25,6 +25,19 @@ def leave_stream(h: torch.Tensor, entry_dtype: torch.dtype, speed: ModelSpeed) -
     return h.to(entry_dtype) if speed.bf16_residual else h
 
 
+def stream_out(model: nn.Module, h: torch.Tensor, entry_dtype: torch.dtype, targets=None, loss_chunks=None):
+    """The end of a decoder's forward (both families): the final norm and the head on the last stage (the logits,
+    or the loss when targets are given: models/fused_loss.py); a stage without them hands its hidden states on
+    in the dtype they came in."""
+    if model.norm is not None:
+        h = model.norm(h)
+    elif model.output is None:
+        h = leave_stream(h, entry_dtype, model.speed)
+    if model.output is None:
+        return h
+    return model.output(h) if targets is None else model.output(h, targets, loss_chunks)
+
+
 class StreamLayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters) that keeps a bf16 stream in bf16. CUDA autocast would run it in fp32 on an
     fp32 copy of its input (saved for the backward); here the kernel reads bf16 and accumulates in fp32 itself.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.models.fast_paths import StreamLayerNorm, bf16_stream, leave_stream, project_qkv
+from paratrain.models.fast_paths import StreamLayerNorm, bf16_stream, project_qkv, stream_out
 from paratrain.models.fused_loss import OutputHead
 from paratrain.models.llama import ModelArgs, causal_sdpa
 from paratrain.models.speed import ModelSpeed
@@ -133,10 +133,4 @@ class GPT2(nn.Module):
         entry_dtype, h = h.dtype, bf16_stream(h, self.speed)
         for layer in self.layers.values():
             h = layer(h, doc_ids=doc_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        elif self.output is None:
-            h = leave_stream(h, entry_dtype, self.speed)
-        if self.output is None:
-            return h
-        return self.output(h) if targets is None else self.output(h, targets, loss_chunks)
+        return stream_out(self, h, entry_dtype, targets, loss_chunks)

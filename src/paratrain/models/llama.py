@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.args import ModelArgs
-from paratrain.models.fast_paths import bf16_stream, leave_stream, project_qkv, stream_rms_norm
+from paratrain.models.fast_paths import bf16_stream, project_qkv, stream_out, stream_rms_norm
 from paratrain.models.fused_loss import OutputHead
 from paratrain.models.speed import ModelSpeed
 
@@ -178,10 +178,4 @@ class Transformer(nn.Module):
         entry_dtype, h = h.dtype, bf16_stream(h, self.speed)
         for layer in self.layers.values():
             h = layer(h, cos, sin, doc_ids=doc_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        elif self.output is None:
-            h = leave_stream(h, entry_dtype, self.speed)
-        if self.output is None:
-            return h
-        return self.output(h) if targets is None else self.output(h, targets, loss_chunks)
+        return stream_out(self, h, entry_dtype, targets, loss_chunks)
