@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=30, help="measured steps")
+    # the model-code speed options (gpu_suite_rows.MODEL_CODE_FLAGS): the same model the paired train row builds
+    for flag in ("--bf16-residual", "--fused-qkv", "--fused-bias-gelu"):
+        p.add_argument(flag, action="store_true", help=f"as paratrain train {flag}")
     return p.parse_args(argv)
 
 

@@ -30,7 +30,10 @@ LLAMA3_8B_4L = {"n_layers": 4}
 SHAPED_LABEL = {"llama-162m": "llama-1b", "qwen3-30b-a3b": "qwen3-moe-2l", "llama3-8b": "llama3-8b-4l"}
 CPU_TWIN = {"gpt2-124m": "gpt2-tiny", "llama-162m": "tiny", "qwen3-30b-a3b": "moe-tiny", "llama3-8b": "tiny"}
 # issue 47's speed options: `paratrain train` flags, each a TrainConfig field of the same name
-SPEED_FLAGS = ("bf16_residual", "fused_qkv", "fused_loss", "optimizer_graph", "bf16_param_copies")
+SPEED_FLAGS = ("bf16_residual", "fused_qkv", "fused_loss", "optimizer_graph", "bf16_param_copies", "fused_bias_gelu")
+# the ones that change the model's code (how it is built or compiled), which the plain loop is given too, so that
+# paratrain / plain still measures paratrain's loop; the others are the loop's own (loss, optimizer step, copies)
+MODEL_CODE_FLAGS = ("bf16_residual", "fused_qkv", "fused_bias_gelu")
 CPU_SHAPE = {"dim": 96, "n_layers": 3, "ffn_dim": 256}  # the ~1B row's CPU twin: still a config-file shape
 
 
@@ -75,7 +78,7 @@ class Row:
         if self.kind == "calibrate":
             return "calibrate"
         if self.kind == "verify":
-            return f"verify-{self.model_label}-{self.dtype}-{self.mode}"
+            return f"verify-{self.model_label}-{self.dtype}-{self.mode}" + (f"+{self.variant}" if self.flags else "")
         mode = f"{self.mode}+{self.variant}" if self.flags else self.mode
         return f"{self.model_label}-{self.dtype}-{mode}-mb{self.micro_batch}-{self.kind}"
 
@@ -120,8 +123,24 @@ def _graphs_pair(model: str, dtype: str, mb: int, shape: tuple = ()) -> str:
 
 
 def _with_flags(base: Row, flags: tuple, **kw) -> Row:
-    """`base` with speed flags, compared with `base` (the plain loop has no speed flags: no pair)."""
-    return dataclasses.replace(base, flags=flags, baseline=base.id, pair=None, **kw)
+    """`base` with speed flags, compared with `base`; its plain loop is the one given the same model code: the
+    plain twin with its model-code flags (_plain_twins), or the baseline's own plain loop."""
+    model_code = tuple(f for f in flags if f in MODEL_CODE_FLAGS)
+    plain = Row("plain", base.model, base.dtype, compile=base.compile, micro_batch=base.micro_batch,
+                seq_len=base.seq_len, shape=base.shape, flags=model_code)
+    return dataclasses.replace(base, flags=flags, baseline=base.id, pair=plain.id, **kw)
+
+
+def _plain_twins(rows: list[Row]) -> list[Row]:
+    """The plain loops the flag rows pair with that no row defines yet, in the rows' order."""
+    out: dict[str, Row] = {}
+    for row in rows:
+        flags = tuple(f for f in row.flags if f in MODEL_CODE_FLAGS)
+        if row.kind == "train" and flags:
+            twin = Row("plain", row.model, row.dtype, compile=row.compile, micro_batch=row.micro_batch,
+                       seq_len=row.seq_len, shape=row.shape, flags=flags, cold_s=row.cold_s, warm_s=row.warm_s)
+            out.setdefault(twin.id, twin)
+    return list(out.values())
 
 
 # Guessed times are for one H100 (results.json records each row's wall time: 27-32 s for a warm gpt2-124m row in
@@ -146,6 +165,7 @@ SPEED_ROWS: list[Row] = [
 GPU_ROWS: list[Row] = [
     *SPEED_ROWS,
     PLAIN16,
+    *_plain_twins(SPEED_ROWS),
     *_train("gpt2-124m", "bf16", "compile-cudagraphs", 16, pair=_graphs_pair("gpt2-124m", "bf16", 16),
             baseline=BASE16.id, cold_s=80, warm_s=30),
     *_train("gpt2-124m", "fp8", "compile", 16, baseline=BASE16.id, cold_s=90, warm_s=30),
@@ -164,6 +184,8 @@ GPU_ROWS: list[Row] = [
             baseline=BASE32.id, cold_s=80, warm_s=30),
     *_train("gpt2-124m", "fp8", "compile", 32, baseline=BASE32.id, cold_s=90, warm_s=30),
     Row("verify", "gpt2-124m", "bf16", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=80, warm_s=80),
+    Row("verify", "gpt2-124m", "bf16", compile=True, seq_len=256, micro_batch=8, steps=3, flags=SPEED_FLAGS,
+        cold_s=120, warm_s=90),
     Row("verify", "gpt2-124m", "fp8", compile=True, seq_len=256, micro_batch=8, steps=3, cold_s=90, warm_s=90),
     *_train("llama-162m", "bf16", "eager", 8, shape=tuple(LLAMA_1B.items()), steps=25, warmup=5, cold_s=45,
             warm_s=45),
@@ -203,7 +225,8 @@ def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | 
         return [py, "-m", "paratrain.cli", "plan", "--calibrate", "--nproc", "1", "--calibrate-rounds",
                 str(calibrate_rounds), "--hardware", str(profile), "--json"]
     if row.kind == "verify":
-        return [py, "-m", "paratrain.cli", "verify", *common, "--steps", str(row.steps), "--json"]
+        return [py, "-m", "paratrain.cli", "verify", *common, *(flag_of(f) for f in row.flags), "--steps",
+                str(row.steps), "--json"]
     if row.kind == "doctor":
         return [py, "-m", "paratrain.cli", "doctor", *common, "--steps", str(row.steps),
                 "--warmup", str(row.warmup), "--probe-rounds", "1", "--trace", str(row_dir / "trace.json"),
@@ -218,7 +241,7 @@ def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | 
         return [py, str(HERE / "gpu_suite_plain.py"), "--model", row.model, "--device", device,
                 "--dtype", row.dtype, "--seq-len", str(row.seq_len), "--micro-batch", str(row.micro_batch),
                 "--compile" if row.compile else "--no-compile", "--warmup", str(1 if prewarm else row.warmup),
-                "--steps", str(1 if prewarm else row.steps - row.warmup), *extra]
+                "--steps", str(1 if prewarm else row.steps - row.warmup), *(flag_of(f) for f in row.flags), *extra]
     return [py, "-m", "paratrain.cli", "train", *common, *(flag_of(f) for f in row.flags),
             "--micro-batch", str(row.micro_batch),
             "--cuda-graphs" if row.cuda_graphs else "--no-cuda-graphs", "--steps", str(steps), "--lr", "3e-4",

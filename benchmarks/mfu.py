@@ -155,8 +155,13 @@ def run_paratrain(args, device: str, micro_batch: int, dtype: str) -> dict:
 # -- the plain loop: the fastest single-GPU loop we can write by hand ---------------------------------------------
 def run_plain(args, device: str, model_args, micro_batch: int, dtype: str) -> dict:
     from paratrain.models.presets import build_model
+    from paratrain.models.speed import model_speed_for
+    from paratrain.parallel.compile import fuse_gemm_epilogues
 
-    model = build_model(model_args, "cpu", seed=0).to(device)
+    # the speed options that change the model's code, as the paired paratrain row builds and compiles it
+    model = build_model(model_args, "cpu", seed=0, speed=model_speed_for(args)).to(device)
+    if getattr(args, "fused_bias_gelu", False) and args.compile:
+        fuse_gemm_epilogues(device)
     if dtype == "fp8":
         from paratrain.train.float8 import convert_to_float8
 

@@ -119,6 +119,10 @@ class _RunFields(BaseModel):
                                                    "bf16 (the norms' statistics stay fp32; no effect otherwise)")
     fused_qkv: bool = Field(False, description="Q, K and V as one GEMM over the concatenated weights (the same "
                                                "parameters and checkpoints; not with --tp yet)")
+    # parallel/compile.py: Inductor's Triton GEMM templates, autotuned, with the pointwise that follows fused in
+    fused_bias_gelu: bool = Field(False, description="with --compile on CUDA: GEMMs from Inductor's autotuned "
+                                  "templates write the bias and the GELU (any pointwise after a GEMM) in their "
+                                  "epilogue; longer compiles (no effect on CPU or without --compile)")
     # train/optimizer_graph.py, train/param_copies.py
     optimizer_graph: bool = Field(False, description="fold the gradient clip into the fused AdamW step; on CUDA "
                                   "capture that step in a CUDA graph (not with fp16, zero1 or --cpu-offload)")

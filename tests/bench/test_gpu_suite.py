@@ -19,7 +19,8 @@ from paratrain.gpu_catalog import get_gpu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 SUITE = os.path.join(BENCHMARKS, "gpu_suite.py")
-SPEED_FLAGS = ["--bf16-residual", "--fused-qkv", "--fused-loss", "--optimizer-graph", "--bf16-param-copies"]
+SPEED_FLAGS = ["--bf16-residual", "--fused-qkv", "--fused-loss", "--optimizer-graph", "--bf16-param-copies",
+               "--fused-bias-gelu"]
 ALL16, ALL32 = "gpt2-124m-bf16-compile+all-flags-mb16-train", "gpt2-124m-bf16-compile+all-flags-mb32-train"
 LLAMA3 = "llama3-8b-4l-{}-compile-mb2-train"
 # the headline pair (train + plain loop, with its doctor row), the GPU-only variants of the same step, one
@@ -123,6 +124,17 @@ def test_speed_rows_come_first_each_flag_against_the_same_calls_baseline(monkeyp
     assert (llama.model, dict(llama.shape), llama.micro_batch, llama.seq_len) == ("llama3-8b", {"n_layers": 4}, 2, 4096)
     argv = rows_mod.command(rows[1], Path("/r"), "cuda", Path("/p.json"), None)
     assert argv[argv.index("train") + 1:].count("--bf16-residual") == 1
+
+    # the plain loop a flag row is read against builds the same model code: the model's own flags, never the loop's
+    by_id = {r.id: r for r in rows}
+    qkv, loss = by_id["gpt2-124m-bf16-compile+fused-qkv-mb16-train"], by_id["gpt2-124m-bf16-compile+fused-loss-mb16-train"]
+    assert loss.pair == "gpt2-124m-bf16-compile-mb16-plain" and loss.pair in by_id
+    assert by_id[qkv.pair].flags == ("fused_qkv",) and by_id[qkv.pair].kind == "plain"
+    assert by_id[by_id[ALL16].pair].flags == rows_mod.MODEL_CODE_FLAGS and by_id[ALL32].pair in by_id
+    plain_argv = rows_mod.command(by_id[qkv.pair], Path("/r"), "cuda", Path("/p.json"), None)
+    assert "--fused-qkv" in plain_argv and "--fused-loss" not in plain_argv
+    verify = by_id["verify-gpt2-124m-bf16-compile+all-flags"]
+    assert all(f in rows_mod.command(verify, Path("/r"), "cuda", Path("/p.json"), None) for f in SPEED_FLAGS)
 
 
 def test_a_flag_train_lacks_skips_its_rows_in_one_line(monkeypatch):

@@ -58,6 +58,24 @@ def compile_block(block: nn.Module, fullgraph: bool) -> nn.Module:
     return compiled
 
 
+def fuse_gemm_epilogues(device_type: str) -> bool:
+    """--fused-bias-gelu: Inductor picks each GEMM among its Triton templates and ATen by timing them
+    (max-autotune), and a template writes the pointwise ops that follow it (GPT-2's bias + GELU) in its epilogue
+    instead of a second kernel re-reading the output. Inductor's settings are process-wide and read when a graph
+    compiles (lazily, at the first step), hence set here, before. On CPU Inductor's GEMM templates serve frozen
+    inference weights only: training keeps ATen's GEMMs (its backward already fuses GELU's gradient with the
+    bias sum), so nothing changes there."""
+    if device_type != "cuda":
+        return False
+    import torch._inductor.config as inductor
+
+    inductor.max_autotune_gemm = True
+    inductor.max_autotune_gemm_backends = "TRITON,ATEN"
+    inductor.epilogue_fusion = True
+    log.info("--fused-bias-gelu: Inductor autotunes GEMMs with fused epilogues (compiles take longer)")
+    return True
+
+
 def wait_for_async_inputs(_module: nn.Module, args: tuple):
     """Hand compiled blocks plain tensors, never an AsyncCollectiveTensor.
 

@@ -23,7 +23,7 @@ from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.models.speed import model_speed_for
 from paratrain.parallel.collective_hooks import collective, set_step
-from paratrain.parallel.compile import compile_loss
+from paratrain.parallel.compile import compile_loss, fuse_gemm_epilogues
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.parallelize import parallelize
@@ -196,6 +196,8 @@ class Trainer:
             prepare = sequence_sharder(layout)
         prepare = self._prepare_batch(prepare)
         graphs = self.cfg.cuda_graphs  # one GPU (train/precision.py): the whole model, captured
+        if self.cfg.fused_bias_gelu and (layout.compile or graphs):
+            fuse_gemm_epilogues(self.rt.device_type)
         # on one device too: AC and compile live there. Under a built-in TP plan the logits stay vocab-sharded
         # (loss parallel: no all-gather of the logits); the loss then runs under loss_parallel()
         loss_parallel = layout.splits_within_layers and not self.custom
