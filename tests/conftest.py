@@ -95,6 +95,7 @@ def two_ranks(tmp_path_factory, ckpt_dir):
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
     spec = {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir), "pipeline": {"ckpt_dir": None}, "cp_parity": True,
-            "moe": True}  # tests/moe/moe_worker.py's checks
+            "moe": True,  # tests/moe/moe_worker.py's checks
+            "semi_sync": str(tmp_path_factory.mktemp("semi-sync"))}  # tests/parallel/semi_sync_worker.py's
     return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=500)
 

@@ -14,7 +14,7 @@ import source_rules
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
-LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config"}, {"train"}, {"plan"}, {"calibrate"},
+LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config", "config_markers", "training_options"}, {"train"}, {"plan"}, {"calibrate"},
           {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "cli_options", "env_report", "api", "__init__"}]
 
 
@@ -206,7 +206,8 @@ ALLOWED_REACHES = allowed({
         "transformers' MoE experts keep their gated activation in _apply_gate: called so the math stays theirs",
     ("models/hf_model.py: reads model._no_split_modules", "convert/hf_model_export.py: reads model._tied_weights_keys"):
         "transformers' per-architecture declarations (decoder block class, tied weights) exist only under these names",
-    ("models/hf_model.py: patches self.hf.config._attn_implementation",):
+    ("models/hf_model.py: patches self.hf.config._attn_implementation",
+     "models/hf_model.py: reads self.hf.config._attn_implementation"):
         "transformers selects a registered attention function through config._attn_implementation",
     ("cli.py: reads os._exit",): "Python's documented immediate exit (os._exit)",
     ("train/optimizer_graph.py: reads torch._foreach_copy_", "train/param_copies.py: reads torch._foreach_copy_"):
@@ -237,10 +238,6 @@ ALLOWED_REACHES = allowed({
     ("train/memory_snapshot.py: reads torch.cuda.memory._record_memory_history",
      "train/memory_snapshot.py: reads torch.cuda.memory._dump_snapshot"):
         "torch's documented memory-snapshot API (docs: 'Understanding CUDA Memory Usage') has only these names",
-    ("train/recovery/replica_transport.py: overrides HTTPTransport._load_from_address",):
-        "torchft's peer-checkpoint load, replaced to load weights_only (torchft's own unpickles)",
-    ("train/recovery/replica_transport.py: reads transport._server",):
-        "torchft builds its request handler inside __init__: silencing its access log goes through the server",
     ("verify/recorder.py: reads torch._C._current_graph_task_id",):
         "the only way to tell a checkpoint's recomputed forward (inside backward) from a new one",
 })

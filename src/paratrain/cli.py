@@ -400,6 +400,8 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     RUN["global_batch"].noting("default 16").param(),
     RUN["dtype"].param(annotation=str, default="bf16"),
     RUN["compile"].param(annotation=bool, default=False, flags=("--compile",)),
+    RUN["optimizer"].noting("sizes its state").param(annotation=Optional[str]),
+    RUN["momentum"].noting("sgd with momentum keeps one state per parameter, without none").param(),
     ("top", int, typer.Option(10, "--top", help="candidates to list")),
     ("search", str, typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
                                                           "every layout)")),
@@ -417,6 +419,16 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     ("mem_gib", Optional[float], typer.Option(None, "--mem-gib", help="custom GPU (or override): memory GiB")),
     ("intra_node_gbs", Optional[float], typer.Option(None, "--intra-node-gbs", help="GB/s per GPU, one way")),
     ("inter_node_gbs", Optional[float], typer.Option(None, "--inter-node-gbs", help="GB/s per GPU, one way")),
+    ("mem_bw_gbs", Optional[float], typer.Option(None, "--mem-bw-gbs", help="the GPU's memory bandwidth, GB/s, "
+                                                                           "where the board differs from the catalog")),
+    # schemes the cost model prices that paratrain's runtime does not run (docs/planner.md)
+    ("dist_optimizer", bool, typer.Option(False, "--dist-optimizer", help="price ZeRO-1 as a distributed optimizer "
+                                                                          "(Megatron-Core's, overlapped)")),
+    ("async_tp", bool, typer.Option(False, "--async-tp", help="price TP collectives overlapped with the matmuls "
+                                                              "(torch's async TP; needs --compile and SP)")),
+    ("moe_routing", str, typer.Option("random", "--moe-routing", help="random (a trained router) | consecutive "
+                                                                      "(NeMo's balanced benchmark gate): --ep's "
+                                                                      "exchange")),
     AS_JSON.param(),
 ]
 
@@ -503,7 +515,7 @@ def launch(target: str = typer.Argument(..., help="slurm | k8s | skypilot"),
                          gpu_share=gpu_share, queue=queue)
     from paratrain.config import read_toml
 
-    batch_given = train_opts.get("global_batch") is not None or bool(
+    batch_given = train_opts.get("global_batch") is not None or bool(cfg.deepspeed) or bool(
         train_opts.get("config") and "global_batch" in read_toml(train_opts["config"]))
     text = render_launch(target, cfg, opts, batch_given)
     if output is None:

@@ -12,10 +12,13 @@ from typing import Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from paratrain.config_markers import CONFIG_ONLY, TRAIN_ONLY  # re-exported: cli_options.py reads them here
 from paratrain.errors import UserError
 from paratrain.parallel.dims import all_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE, PP_SCHEDULES, one_of
+from paratrain.parallel.semi_sync.semi_sync_options import SemiSyncFields
 from paratrain.parallel.strategies import STRATEGY_TABLE
+from paratrain.training_options import TrainingOptionFields, upgrade_old_keys
 
 STRATEGIES = (*STRATEGY_TABLE, "auto")
 DEFAULT_CONFIG = "tiny-cpu.toml"
@@ -24,10 +27,6 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # characters no config string may hold: they would break a path, a shell line or a YAML/TOML line
 _FORBIDDEN = {chr(c) for c in range(32)} | {"\x7f", "\x85", "\u2028", "\u2029"}
 _TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-# A field is a flag of every command that takes the run options (train, verify, doctor, launch), named after it,
-# its description the --help text (cli_options.py builds them); these markers, as its json_schema_extra, say otherwise
-CONFIG_ONLY = {"cli": "config only"}  # a config-file key, no flag
-TRAIN_ONLY = {"cli": "train only"}  # a flag of `train` alone
 
 
 def toml_string(text: str) -> str:
@@ -124,8 +123,9 @@ class _RunFields(BaseModel):
                                   "templates write the bias and the GELU (any pointwise after a GEMM) in their "
                                   "epilogue; longer compiles (no effect on CPU or without --compile)")
     # train/optimizer_graph.py, train/param_copies.py
-    optimizer_graph: bool = Field(False, description="fold the gradient clip into the fused AdamW step; on CUDA "
-                                  "capture that step in a CUDA graph (not with fp16, zero1 or --cpu-offload)")
+    optimizer_graph: bool = Field(False, description="fold the gradient clip into the fused Adam(W) step; on CUDA "
+                                  "capture that step in a CUDA graph (not with fp16, zero1, --cpu-offload or "
+                                  "--optimizer sgd)")
     bf16_param_copies: bool = Field(False, description="with --dtype bf16: the forward reads bf16 copies of the "
                                     "linear weights written after each optimizer step (fp32 masters stay; not with "
                                     "FSDP or tp; no effect otherwise)")
@@ -151,7 +151,7 @@ _WithDegrees = create_model("_WithDegrees", __base__=_RunFields,
                             **{d.name: (int | None, Field(None, ge=1, description=d.help)) for d in all_dims()})
 
 
-class TrainConfig(_WithDegrees):
+class _WithStrategyOptions(_WithDegrees):
     # strategy options
     sp: bool = Field(False, description="sequence parallel (with tp)")
     cp_impl: Literal[CP_IMPLS] = Field(CP_IMPLS[0], description=one_of(CP_IMPLS))
@@ -166,15 +166,9 @@ class TrainConfig(_WithDegrees):
     dp_batch_split: str | None = Field(None, description="uneven data parallel: batch weights per dp rank, e.g. 3:1")
     pp_layers: str | None = Field(None, description="blocks per pipeline stage, e.g. 3:1")
 
-    # optimisation
-    lr: float = Field(3e-3, gt=0, description="peak learning rate")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, json_schema_extra=CONFIG_ONLY)
-    warmup_steps: int = Field(5, ge=0, json_schema_extra=CONFIG_ONLY)
-    weight_decay: float = Field(0.0, ge=0, json_schema_extra=CONFIG_ONLY)
-    beta1: float = Field(0.9, ge=0, lt=1, json_schema_extra=CONFIG_ONLY)
-    beta2: float = Field(0.95, ge=0, lt=1, json_schema_extra=CONFIG_ONLY)
-    grad_clip: float = Field(1.0, ge=0, json_schema_extra=CONFIG_ONLY)
 
+# then the semi-synchronous fields (parallel/semi_sync/) and the optimisation fields (training_options.py)
+class TrainConfig(TrainingOptionFields, SemiSyncFields, _WithStrategyOptions):
     # checkpoints and output
     ckpt_dir: str | None = Field(None, description="checkpoint directory (default RUNDIR/checkpoints)")
     ckpt_every: int = Field(0, ge=0, description="save every N steps (0: never)")
@@ -254,9 +248,16 @@ def default_config_text() -> str:
 
 
 def load_config(path: str | None, overrides: dict) -> TrainConfig:
-    """Defaults, then the TOML file (or the embedded default), then CLI overrides that were given."""
-    base = read_toml(path) if path else tomllib.loads(default_config_text())
-    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    """Defaults, then the TOML file (or the embedded default), then a --deepspeed JSON, then CLI overrides that
+    were given."""
+    # older keys (beta1/beta2) renamed first, so a flag given beside them wins as any flag does
+    base = upgrade_old_keys(read_toml(path) if path else tomllib.loads(default_config_text()))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    merged = {**base, **given}
+    if isinstance(merged.get("deepspeed"), str):
+        from paratrain.interop.deepspeed_config import with_deepspeed
+
+        merged = with_deepspeed(merged["deepspeed"], base, given)
     try:
         cfg = TrainConfig(**merged)
     except ValidationError as exc:

@@ -146,10 +146,10 @@ def test_a_ranks_own_error_is_the_last_line(cli_here, tmp_path):
     from paratrain.models.hf_model import build_hf_model
     from paratrain.models.hf_tp_plan import hf_tp_plan
 
-    folder = tmp_path / "neox"
+    folder = tmp_path / "granite_swa"  # its plan's "local_params" style is not translated (gpt_neox's now is)
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(
-        {"model_type": "gpt_neox", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        {"model_type": "granite_swa", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}))
     with pytest.raises(UserError) as refused:  # what the ranks meet, met here
         hf_tp_plan(build_hf_model(f"hf:{folder}", 0), tp=2, sp=False)

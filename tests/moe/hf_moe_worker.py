@@ -1,6 +1,6 @@
 # transformers' MoE models (--model hf:DIR) in ONE launch of 2 ranks (gloo, CPU): verify parity against one device
 # (fp32, verify/parity.py's tolerances and its router-decision check) of tiny Qwen3-MoE, Mixtral and OLMoE
-# configs under --ep 2, tp=2 and zero3; planted EP faults (tests/support/moe_faults.py) that must fail at step 1;
+# configs under --ep 2, tp=2 and zero3 (and GPT-OSS's and DeepSeek-V3's, found by their shape: issue 48); planted EP faults (tests/support/moe_faults.py) that must fail at step 1;
 # three short runs that save a checkpoint for test_hf_moe.py's export checks; and one run with the first layer's
 # router biased to expert 0, whose metrics.jsonl (and the clean qwen3_moe-ep2 run's) the doctor's rule reads.
 # `retrain` (a second launch) trains the exports again as hf: models under another strategy.
@@ -30,9 +30,16 @@ from paratrain.verify.parity import verify_in_group  # noqa: E402
 from support.moe_faults import planted  # noqa: E402
 
 KINDS = ("qwen3_moe", "mixtral", "olmoe")
+# found by their shape (issue 48): GPT-OSS (sinks, alternating sliding/full attention, transposed experts with
+# biases, no tp plan for attention or experts) and DeepSeek-V3 (MLA, a dense first layer, a shared expert, sigmoid
+# group-limited routing with a selection bias), tiny configs of interop/hf_tiny_config.py; Qwen2-MoE's shared
+# expert behind its own sigmoid gate under tp
+SHAPE_KINDS = ("gpt_oss", "deepseek_v3")
 LAYOUTS = {"ep2": {"strategy": "ep", "ep": 2}, "tp2": {"strategy": "tp"}, "zero3": {"strategy": "zero3"}}
 CASES = [
-    *[{"id": f"{kind}-{name}", "kind": kind, **fields} for kind in KINDS for name, fields in LAYOUTS.items()],
+    *[{"id": f"{kind}-{name}", "kind": kind, **fields} for kind in KINDS + SHAPE_KINDS
+      for name, fields in LAYOUTS.items()],
+    {"id": "qwen2_moe-tp2", "kind": "qwen2_moe", "strategy": "tp"},
     # a pipeline's stages name the layers as the whole model does; with 2 micro-batches per step a layer's last
     # forward is not the batch, so routing is not compared (None), with one it is
     {"id": "qwen3_moe-pp2", "kind": "qwen3_moe", "strategy": "pp", "pp": 2},

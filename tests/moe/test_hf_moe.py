@@ -1,7 +1,8 @@
 """transformers' MoE models under --ep and --tp, and the export of MoE runs, against their references.
 
 References: `verify` (verify/parity.py, fp32 tolerances) against one device, router decisions included, for tiny
-Qwen3-MoE, Mixtral and OLMoE configs made with transformers' own config classes (nothing downloaded); for
+Qwen3-MoE, Mixtral and OLMoE configs made with transformers' own config classes, and GPT-OSS, DeepSeek-V3 and
+Qwen2-MoE ones made by interop/hf_tiny_config.py's rule (nothing downloaded); for
 export, transformers itself: the key set its save_pretrained writes for the same config, from_pretrained loading
 with nothing missing or unexpected, and its logits against paratrain's with the checkpoint's weights (atol 1e-5).
 """
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from paratrain.convert.hf_export import export_checkpoint
 from paratrain.convert.moe_preset_export import check_mixtral_exportable
 from paratrain.errors import UserError
+from paratrain.interop.hf_tiny_config import tiny_config
 from paratrain.models.hf_model import build_hf_model
 from paratrain.models.presets import PRESETS, build_model
 from paratrain.parallel.layout import Layout
@@ -46,6 +48,8 @@ def write_configs(root: Path) -> None:
         "olmoe": transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                           eos_token_id=0, pad_token_id=1),
     }
+    for kind in ("gpt_oss", "deepseek_v3", "qwen2_moe"):  # the rule's tiny configs (interop/hf_tiny_config.py)
+        configs[kind] = tiny_config(kind)
     for kind, config in configs.items():
         config.save_pretrained(root / kind)
 
@@ -89,11 +93,12 @@ def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
 
     # 2 ranks forked from this process's warm forkserver (reliability/inproc.py): no interpreter start per rank
     results = {r["id"]: r for r in launch_here(run_worker, (str(tmp_path),), 2, timeout_s=120.0)["verify"]}
-    for kind in ("qwen3_moe", "mixtral", "olmoe"):
+    for kind in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"):
         for layout, dims in (("ep2", {"ep": 2, "dp_shard": 2}), ("tp2", {"tp": 2}), ("zero3", {"dp_shard": 2})):
             r = results[f"{kind}-{layout}"]
             assert r["passed"] and r["expert_assignments_match"] is True, r
             assert all(r["dims"][k] == v for k, v in dims.items()), r
+    assert results["qwen2_moe-tp2"]["passed"] and results["qwen2_moe-tp2"]["expert_assignments_match"] is True
     pipelined, one_micro_batch = results["qwen3_moe-pp2"], results["qwen3_moe-pp2-gpipe1"]
     assert pipelined["passed"] and pipelined["expert_assignments_match"] is None, pipelined
     assert one_micro_batch["passed"] and one_micro_batch["expert_assignments_match"] is True, one_micro_batch
@@ -169,9 +174,12 @@ def expert_imbalance(run: Path):
 
 
 def test_hf_experts_forward_is_transformers_own(tmp_path):
-    """paratrain's experts forward (experts_implementation="paratrain") gives transformers' eager logits."""
+    """paratrain's experts forward (experts_implementation="paratrain") gives transformers' eager logits, in every
+    experts layout: concatenated (Qwen, Mixtral, OLMoE, DeepSeek-V3), transposed with biases and an interleaved,
+    clamped gate (GPT-OSS), transposed without biases (Aria)."""
     write_configs(tmp_path)
-    for kind in ("qwen3_moe", "mixtral", "olmoe"):
+    tiny_config("aria_text").save_pretrained(tmp_path / "aria_text")
+    for kind in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen2_moe", "aria_text"):
         model = build_hf_model(f"hf:{tmp_path / kind}", seed=0)
         for p in model.parameters():  # larger than the default init, so that routing and experts matter
             torch.nn.init.normal_(p, std=0.2)
@@ -189,14 +197,26 @@ def test_unsupported_moe_layouts_are_refused_in_one_line():
         check_hf_moe_run(Layout(tp=2, sp=True), "qwen3_moe", 4)
     with pytest.raises(UserError, match="does not divide the model's 6 experts"):
         check_hf_moe_run(Layout(tp=4), "qwen3_moe", 6)
-    with pytest.raises(UserError, match="data-parallel strategy"):
-        check_hf_moe_run(Layout(dp_shard=2, ep=2), "deepseek_v3", 8)
+    with pytest.raises(UserError, match="--ep cannot split the experts of this llama4_text model: .*Llama4Text"):
+        check_hf_moe_run(Layout(dp_shard=2, ep=2), "llama4_text", 8, split_refusal=moe_refusal("llama4_text"))
+    with pytest.raises(UserError, match="--tp cannot split .*longcat_flash.*not one fused"):
+        check_hf_moe_run(Layout(tp=2), "longcat_flash", 8, split_refusal=moe_refusal("longcat_flash"))
     check_hf_moe_run(Layout(dp_shard=2, ep=2), "olmoe", 4)  # allowed
+    check_hf_moe_run(Layout(dp_shard=2, ep=2), "deepseek_v3", 8, split_refusal=moe_refusal("deepseek_v3"))
     for change, what in (({"router": "sigmoid"}, "a sigmoid router"), ({"n_shared_experts": 1}, "shared experts"),
                          ({"capacity_factor": 1.0}, "a capacity factor")):
         args = PRESETS["moe-tiny"].__class__(**{**PRESETS["moe-tiny"].to_dict(), **change})
         with pytest.raises(UserError, match=what):
             check_mixtral_exportable(args)
+
+
+def moe_refusal(kind: str) -> str | None:
+    """Why --ep / --tp cannot split the experts of `kind`'s tiny model (its layers read on the meta device)."""
+    from paratrain.models.hf_model import meta_model
+    from paratrain.models.hf_moe_layout import split_refusals
+
+    refusals = split_refusals(meta_model(tiny_config(kind)))
+    return refusals[0] if refusals else None
 
 
 def test_router_aux_loss_coef_trains_as_transformers_own_loss(tmp_path, caplog):

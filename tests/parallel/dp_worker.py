@@ -9,7 +9,7 @@ suite calls run(SPEC) on ranks forked from its warm forkserver instead (tests/gr
 SPEC: {"verify": [{"id": NAME, "strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null,
        "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null,
        "pipeline": {"ckpt_dir": DIR|null} | null, "uneven": bool, "tp_parity": bool, "cp_parity": bool,
-       "validation": bool, "reshard": DIR|null, "moe": bool}
+       "validation": bool, "reshard": DIR|null, "moe": bool, "semi_sync": DIR|null}
 """
 
 from __future__ import annotations
@@ -182,6 +182,10 @@ def run(spec: dict) -> dict | None:
         report["reshard"] = reshard_checks(rt, Path(spec["reshard"]))
     if spec.get("approx"):
         report["approx"] = run_approx(rt, spec["approx"]["steps"], spec["approx"]["runs"])
+    if spec.get("semi_sync"):  # semi_sync_worker.py: --semi-sync's reductions and resume (4 ranks: 2 x 2 islands)
+        from semi_sync_worker import run_checks as semi_sync_checks
+
+        report["semi_sync"] = semi_sync_checks(rt, spec["semi_sync"])
     if spec.get("moe"):  # tests/moe/moe_worker.py's expert-parallel cases, faults and resume
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moe"))
         from moe_worker import run_checks as moe_checks

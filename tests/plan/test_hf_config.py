@@ -85,8 +85,8 @@ def test_head_dim_sets_the_attention_width_as_transformers_builds_it():
 
 
 @pytest.mark.parametrize("doc,refused", [
-    ({**LLAMA, "num_attention_heads": 96}, "hidden_size 4096 does not split into 96 heads and the config gives "
-                                           "no head_dim"),
+    ({**LLAMA, "hidden_size": 64, "num_attention_heads": 96, "num_key_value_heads": 96},
+     "hidden_size 64 is narrower than its 96 heads and the config gives no head_dim"),
     ({**LLAMA, "head_dim": 45}, "heads of 45 (head_dim) must have an even size for rotary positions"),
     ({**LLAMA, "num_key_value_heads": 5}, "32 heads / 5 kv heads do not divide"),
 ])

@@ -47,12 +47,9 @@ def _decode(hex_addr: str, v6: bool) -> str:
     return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_addr, 16)))
 
 
-def listening(pid: int) -> set[tuple[str, int]]:
-    """{(address, port)} of TCP sockets in LISTEN state owned by pid or its descendants."""
-    inodes = set()
-    for p in process_tree(pid):
-        inodes |= _socket_inodes(p)
-    result = set()
+def _listeners() -> dict[str, tuple[str, int]]:
+    """{socket inode: (address, port)} of every TCP socket in LISTEN state on this machine (IPv4 and IPv6)."""
+    found = {}
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             lines = open(table).read().splitlines()[1:]
@@ -61,11 +58,30 @@ def listening(pid: int) -> set[tuple[str, int]]:
         for line in lines:
             fields = line.split()
             local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in inodes:
+            if state == "0A":
                 addr, port = local.split(":")
-                result.add((_decode(addr, v6), int(port, 16)))
-    return result
+                found[inode] = (_decode(addr, v6), int(port, 16))
+    return found
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """{(address, port)} of TCP sockets in LISTEN state owned by pid or its descendants."""
+    inodes = set()
+    for p in process_tree(pid):
+        inodes |= _socket_inodes(p)
+    return {where for inode, where in _listeners().items() if inode in inodes}
 
 
 def is_loopback(address: str) -> bool:
     return address.startswith("127.") or address == "::1" or address.startswith("::ffff:127.")
+
+
+def listening_by_process(pid: int) -> dict[int, set[tuple[str, int]]]:
+    """{pid: {(address, port)}}: the TCP sockets in LISTEN state each process of pid's tree owns (those with any)."""
+    listeners = _listeners()
+    out = {}
+    for p in process_tree(pid):
+        found = {listeners[i] for i in _socket_inodes(p) if i in listeners}
+        if found:
+            out[p] = found
+    return out

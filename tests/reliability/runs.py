@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from helpers import cli_env
-from reliability.procnet import listening
+from reliability.procnet import listening_by_process
 
 # Small and fast: fp32 CPU, two checkpoints between which a kill can land.
 KILL_STEPS, KILL_EVERY = 8, 2
@@ -25,6 +25,12 @@ class Run:
     stderr: str
     wall_s: float
     listeners: set = field(default_factory=set)
+    listeners_by_process: dict = field(default_factory=dict)  # {pid: {(address, port)}}, the same sockets by owner
+
+    def json(self) -> dict:
+        import json
+
+        return json.loads(self.stdout)
 
 
 def run_train(
@@ -32,6 +38,7 @@ def run_train(
 ) -> Run:
     """`python -m paratrain.cli train ARGS`; with watch=True, record every listening socket of its tree."""
     seen: set = set()
+    by_process: dict = {}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.monotonic()
         proc = subprocess.Popen(
@@ -48,7 +55,9 @@ def run_train(
                 if time.monotonic() - start > timeout:
                     raise TimeoutError(f"paratrain train {' '.join(args)} ran past {timeout} s")
                 if watch:
-                    seen |= listening(proc.pid)
+                    for pid, found in listening_by_process(proc.pid).items():
+                        by_process.setdefault(pid, set()).update(found)
+                        seen |= found
                 time.sleep(0.1 if watch else 0.2)
         finally:
             if proc.poll() is None:  # the whole session: the launcher's workers and forkserver too
@@ -58,7 +67,7 @@ def run_train(
         wall = time.monotonic() - start
         out.seek(0)
         err.seek(0)
-        return Run(proc.returncode, out.read(), err.read(), wall, seen)
+        return Run(proc.returncode, out.read(), err.read(), wall, seen, by_process)
 
 
 def kill_args(strategy: str, out: str, metrics: bool = False) -> list[str]:

@@ -1,6 +1,7 @@
 """train --heal-replicas (train/recovery/replica_heal.py): one DDP replica of 3 is SIGKILLed inside a step with no
-checkpoint directory; the other two keep stepping in the same processes, the replacement copies its state from a live peer,
-and at the end the 3 replicas hold bit-identical parameters and optimizer states. The reference is the replicas
+checkpoint directory; the other two keep stepping in the same processes, the replacement copies its state from a live peer
+over the replicas' process group, and at the end the 3 replicas hold bit-identical parameters and optimizer states;
+all the while, every listening socket of the run but torchft's manager servers is on loopback. The reference is the replicas
 themselves (each other's state, compared bit for bit). The identical-state check is shown to fail when a joiner
 copies the weights but not the optimizer state, and what healing cannot cover is refused in one line."""
 
@@ -21,6 +22,8 @@ from paratrain.config import load_config
 from paratrain.errors import UserError
 from paratrain.train.recovery.replica_heal import load_replica_state, replica_state, state_differences
 from paratrain.train.recovery.replica_launch import check_heal_run
+from reliability.procnet import is_loopback
+from reliability.runs import run_train
 
 REPLICAS, STEPS, KILLED, KILL_AFTER, HOLD_AFTER, GLOBAL_BATCH = 3, 10, 1, 3, 6, 12
 
@@ -36,11 +39,20 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
     env = plugin_env("support.replica_faults:plugin", PARATRAIN_TEST_REPLICA_DIR=str(marks),
                      PARATRAIN_TEST_KILL_REPLICA=f"{KILLED}:{KILL_AFTER + 1}:compute",
                      PARATRAIN_TEST_HOLD_AFTER=str(HOLD_AFTER))
-    run = run_cli("train", "--strategy", "ddp", "--nproc", str(REPLICAS), "--heal-replicas",
-                  "--max-restarts", "1", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
-                  "--seq-len", "32", "--timeout-s", "60", "--out", str(tmp_path / "run"), "--json",
-                  env=env, timeout=150)
+    run = run_train(["--strategy", "ddp", "--nproc", str(REPLICAS), "--heal-replicas", "--max-restarts", "1",
+                     "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--seq-len", "32", "--timeout-s",
+                     "60", "--out", str(tmp_path / "run"), "--json"], cwd=tmp_path, env=env, timeout=150, watch=True)
     assert run.returncode == 0, run.stderr[-3000:]
+    sockets = run.listeners_by_process
+    # every socket the run listened on, in every process of it and all through the heal, is on loopback, except
+    # each replica's torchft manager server: one socket on [::] per replica process (torchft binds it there and
+    # offers no option; docs/reliability.md). The peer's state travels over the replicas' process group, with no
+    # server of its own (torchft's HTTP transport would be a second [::] socket in the process that serves it)
+    beyond = {pid: found for pid, found in sockets.items() if any(not is_loopback(a) for a, _ in found)}
+    assert beyond and all(len([a for a, _ in found if not is_loopback(a)]) == 1 for found in beyond.values()), sockets
+    assert all(a == "::" for found in beyond.values() for a, _ in found if not is_loopback(a)), sockets
+    assert len(beyond) >= REPLICAS + 1  # the 3 first replica processes and the replacement
+    assert any(is_loopback(a) for found in sockets.values() for a, _ in found)  # the lighthouse, the stores
     summary = run.json()
     assert summary["steps"] == STEPS and summary["replica_restarts"] == 1
     assert summary["replicas_finished"] == [0, 1, 2]
@@ -100,6 +112,52 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
         assert state_differences(reference, state) == [], name
 
 
+ISLAND_STEPS, ISLAND_SYNC, ISLAND_KILL_AFTER = 24, 4, 3
+
+
+@pytest.mark.timeout(150)
+def test_lost_island_heals_from_a_live_one_and_the_global_copies_end_equal(tmp_path):
+    """--semi-sync diloco over 2 one-process islands with --heal-replicas: island 1 is SIGKILLed between two syncs
+    (after step 3, H = 4) with no checkpoint; island 0 syncs on alone (from step 4 pausing 50 ms a step until the
+    replacement took a step); the replacement waits for its next sync, copies its state there and syncs with it. The lost
+    process's flight recorder is left behind. The reference is the islands themselves: at the end (a sync step) both hold
+    bit-identical global copies and parameters."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = plugin_env("support.replica_faults:plugin", PARATRAIN_TEST_REPLICA_DIR=str(marks),
+                     PARATRAIN_TEST_KILL_REPLICA=f"1:{ISLAND_KILL_AFTER}", PARATRAIN_TEST_PACE_UNTIL_JOINED="4")
+    run = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--heal-replicas", "--max-restarts", "1",
+                  "--semi-sync", "diloco", "--sync-every", str(ISLAND_SYNC), "--steps", str(ISLAND_STEPS),
+                  "--global-batch", "8", "--seq-len", "32", "--timeout-s", "60", "--out", str(tmp_path / "run"),
+                  "--json", env=env, timeout=140)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = run.json()
+    assert summary["steps"] == ISLAND_STEPS and summary["replica_restarts"] == 1
+    assert summary["replicas_finished"] == [0, 1]
+    (heal,) = summary["healed_at"]
+    # healed at one of island 0's syncs after the kill, from island 0
+    assert heal["replica"] == 1 and heal["from_replica"] == 0 and heal["step"] % ISLAND_SYNC == 0
+    assert ISLAND_KILL_AFTER < heal["step"] < ISLAND_STEPS, heal
+    assert "island 1: copied the parameters, the inner optimizer state, the global copy" in run.stderr
+    assert not list(tmp_path.rglob("step-*"))  # no checkpoint: the state came from the live island
+    states = {p.name: torch.load(p, weights_only=True) for p in marks.glob("state-*.pt")}
+    assert sorted(states) == ["state-r0-a0.pt", "state-r1-a1.pt"]
+    island0, island1 = states["state-r0-a0.pt"], states["state-r1-a1.pt"]
+    assert island0["step"] == island1["step"] == ISLAND_STEPS
+    assert state_differences(island0["global"], island1["global"]) == []
+    assert state_differences(island0["model"], island1["model"]) == []  # the last step synced: both restart from it
+    log = step_log(marks / "steps-r1.txt")
+    assert [s for _, s in log[:ISLAND_KILL_AFTER]] == list(range(1, ISLAND_KILL_AFTER + 1))  # the lost process's
+    assert [s for _, s in log[ISLAND_KILL_AFTER:]] == list(range(heal["step"] + 1, ISLAND_STEPS + 1))  # replacement
+    # each replica process kept a flight recorder: the lost one's black box is all that stays (the others, done,
+    # took theirs back), naming its pid and its last completed step, as `paratrain doctor --hang` reads it
+    boxes = sorted(p.relative_to(tmp_path / "run").as_posix() for p in (tmp_path / "run").rglob("hang/*"))
+    assert boxes == ["replicas/r1-a0/hang/rank-1.json", "replicas/r1-a0/hang/rank-1.step"], boxes
+    box = json.loads((tmp_path / "run" / "replicas/r1-a0/hang/rank-1.json").read_text())
+    assert box["pid"] == log[0][0] and box["rank"] == 1
+    assert int((tmp_path / "run" / "replicas/r1-a0/hang/rank-1.step").read_text()) == ISLAND_KILL_AFTER
+
+
 def _sent(state: dict) -> dict:
     """The state as a joiner receives it: serialized and read back (torchft's transport), sharing no tensor."""
     buffer = io.BytesIO()
@@ -151,7 +209,7 @@ def test_identical_state_check_fails_when_the_joiner_skips_the_optimizer_state()
 
 
 class _RunsCode:
-    """A payload that, unpickled without weights_only, touches `marker`: what a hostile peer could send."""
+    """A payload that, unpickled without an allow-list, touches `marker`: what a hostile peer could send."""
 
     def __init__(self, marker: Path):
         self.marker = marker
@@ -160,31 +218,55 @@ class _RunsCode:
         return Path.touch, (self.marker,)
 
 
-@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # copied in on load (replica_worker.py)
-def test_a_peer_state_arrives_weights_only_and_serving_it_logs_nothing(tmp_path, capfd):
-    """Reference: the state a live replica sends (replica_state) arrives bit-identical over the transport a healing
-    replica uses; a payload that would run code on unpickling is refused and does not run; torchft's checkpoint
-    server writes no access-log line to the terminal."""
+def _transports(count: int, timeout: timedelta):
+    """`count` replicas' transports over one torchft gloo group on a loopback store, as a quorum configures it."""
+    import threading
+
+    import torch.distributed as dist
+    from torchft.process_group import ProcessGroupGloo
+
     from paratrain.train.recovery.replica_transport import peer_checkpoint_transport
 
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = [ProcessGroupGloo(timeout=timeout) for _ in range(count)]
+    threads = [threading.Thread(target=g.configure, args=(f"127.0.0.1:{store.port}/quorum/0", str(i), i, count))
+               for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [peer_checkpoint_transport(g, timeout, torch.device("cpu")) for g in groups], store
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # copied in on load (replica_worker.py)
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning")  # torchft's own unpickling (ditto)
+def test_a_peer_state_arrives_whole_over_the_process_group_and_a_hostile_description_is_refused(tmp_path):
+    """Reference: the state a live replica sends (replica_state) arrives bit-identical over the process-group
+    transport a healing replica uses; a state whose description names a class beyond the allow-list (one that would
+    run code when unpickled) is refused, and does not run."""
+    import threading
+
+    from paratrain.train.recovery.replica_transport import load_description
+
     timeout = timedelta(seconds=30)
-    peer, joiner = peer_checkpoint_transport(timeout), peer_checkpoint_transport(timeout)
+    (peer, joiner), store = _transports(2, timeout)
     marker = tmp_path / "ran"
-    try:
-        state = replica_state(_replica())
-        peer.send_checkpoint([1], 3, state, timeout)
-        assert state_differences(state, joiner.recv_checkpoint(0, peer.metadata(), 3, timeout)) == []
-        peer.send_checkpoint([1], 4, {"model": _RunsCode(marker)}, timeout)
-        with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
-            joiner.recv_checkpoint(0, peer.metadata(), 4, timeout)
-    finally:
-        peer.shutdown()
-        joiner.shutdown()
+    state = replica_state(_replica())
+    sender = threading.Thread(target=peer.send_checkpoint, args=([1], 3, state, timeout))
+    sender.start()
+    got = joiner.recv_checkpoint(0, peer.metadata(), 3, timeout)
+    sender.join()
+    assert state_differences(state, got) == []
+    sender = threading.Thread(target=peer.send_checkpoint, args=([1], 4, {"model": _RunsCode(marker)}, timeout))
+    sender.start()
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global .*pathlib.Path.touch"):
+        joiner.recv_checkpoint(0, peer.metadata(), 4, timeout)
+    sender.join()
     assert not marker.exists()
-    captured = capfd.readouterr()
-    # the access log's request lines ("GET /checkpoint/3/full HTTP/1.1" 200 -), not torchft's own log records (an
-    # earlier in-process run's handler may print "Started CheckpointServer on http://.../checkpoint/" as a logging error)
-    assert "GET /checkpoint/" not in captured.err + captured.out, captured.err
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):  # the allow-list on its own
+        load_description(pickle.dumps(_RunsCode(marker)))
+    assert not marker.exists()
+    del store
 
 
 def test_heal_replicas_refuses_what_it_cannot_heal():

@@ -9,11 +9,15 @@ test_replica_healing.py, benchmarks/goodput.py), attached through the after_step
   PARATRAIN_TEST_HOLD_AFTER=STEP          the replacement waits to ask for its first quorum until the others are past
                                           that step, and they wait after it until it asks (so the others train a
                                           few steps without it, and it rejoins before the run ends; 120 s at most);
+  PARATRAIN_TEST_PACE_UNTIL_JOINED=STEP   from that step on the others pause 50 ms after each step until the
+                                          replacement took its first step (--semi-sync islands: it can join only at
+                                          one of their syncs, which must not all pass before it is up; 120 s at most);
   PARATRAIN_TEST_KILL_EVERY=N             after every Nth step but the last, SIGKILL replica (or rank) (step / N) %
                                           world, once per step value (a restart that redoes it does not die again);
   PARATRAIN_TEST_REPLICA_DIR=DIR          where the markers go; each process also appends "pid step" lines to
                                           DIR/steps-rINDEX.txt and, at the last step, saves its replica_state
-                                          (train/recovery/replica_heal.py) to DIR/state-rINDEX-aATTEMPT.pt.
+                                          (train/recovery/replica_heal.py; a --semi-sync island's global copy
+                                          too) to DIR/state-rINDEX-aATTEMPT.pt.
 The replica index comes from the supervisor's PARATRAIN_REPLICA_INDEX; outside --heal-replicas it is the rank.
 """
 
@@ -29,6 +33,7 @@ from paratrain.train.recovery.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_
 
 KILL_ENV, HOLD_ENV, EVERY_ENV, DIR_ENV = ("PARATRAIN_TEST_KILL_REPLICA", "PARATRAIN_TEST_HOLD_AFTER",
                                           "PARATRAIN_TEST_KILL_EVERY", "PARATRAIN_TEST_REPLICA_DIR")
+PACE_ENV, PACE_S = "PARATRAIN_TEST_PACE_UNTIL_JOINED", 0.05
 HOLD_LIMIT_S = 120.0
 
 
@@ -64,6 +69,8 @@ def plugin(hooks) -> None:
     kill_inside = len(spec) == 3 and spec[2] == "compute"
     current = {"step": 0, "trainer": None}
     hold = int(os.environ.get(HOLD_ENV, "0"))
+    pace_from = int(os.environ.get(PACE_ENV, "0"))
+    paced = [0.0]  # seconds paused so far
     every = int(os.environ.get(EVERY_ENV, "0"))
     first_step = [True]
 
@@ -93,7 +100,10 @@ def plugin(hooks) -> None:
 
             from paratrain.train.recovery.replica_heal import replica_state
 
-            torch.save(replica_state(trainer), out / f"state-r{index}-a{attempt}.pt")
+            state = replica_state(trainer)
+            if getattr(trainer, "outer_sync", None) is not None:  # a --semi-sync island: its global copy too
+                state["global"] = [g.clone() for g in trainer.outer_sync.global_copy]
+            torch.save(state, out / f"state-r{index}-a{attempt}.pt")
         if kill is not None and not kill_inside and (index, record["step"]) == kill and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         step = record["step"]
@@ -103,6 +113,10 @@ def plugin(hooks) -> None:
         if hold and record["step"] == hold and kill is not None and index != kill[0]:
             (out / f"held-at-{hold}").touch()
             wait_for(out / f"joining-r{kill[0]}")
+        if pace_from and record["step"] >= pace_from and kill is not None and index != kill[0] \
+                and paced[0] < HOLD_LIMIT_S and not (out / f"joining-r{kill[0]}").exists():
+            time.sleep(PACE_S)
+            paced[0] += PACE_S
 
     hooks.wrap_step(wrap_step)
     hooks.around_compute(around_compute)

@@ -1,5 +1,6 @@
 """`--model hf:PATH`: find and read a Hugging Face config.json (plain Python: the planner reads shapes from it
-without importing torch or transformers; hf_model.py builds the model)."""
+without importing torch or transformers; hf_model.py builds the model), and read a value from a transformers
+config object (config_value: one per layer in heterogeneous configs)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,14 @@ def read_hf_config(spec: str) -> dict:
     if doc.get("auto_map"):
         raise UserError(f"{config_path}: the config asks for remote code (auto_map); paratrain never runs it")
     return doc
+
+
+def config_value(config, key: str, default=None):
+    """A config attribute; where the config varies it per layer (transformers' heterogeneous configs refuse a global
+    read), the largest layer's value: what sizes and divisibility checks must hold for."""
+    try:
+        value = getattr(config, key, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        values = [v for layer in config.per_layer_config if (v := getattr(layer, key, None)) is not None]
+        value = max(values) if values else None
+    return default if value is None else value

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.models.hf_attention_impl import with_supported_attention
 from paratrain.models.hf_files import hf_location, read_hf_config
 
 log = logging.getLogger("paratrain")
@@ -50,6 +51,13 @@ def hf_config_object(doc: dict, where: str = "config.json"):
             type(config) in auto.MODEL_FOR_MASKED_LM_MAPPING:
         raise UserError(f"{where}: {kind} is not a decoder-only causal LM (AutoModelForCausalLM has no such model)")
     return config
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM of a transformers `config` on the meta device: its modules and shapes, no memory."""
+    transformers = require_transformers()
+    with torch.device("meta"), quiet_transformers():
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -84,11 +92,17 @@ class HFCausalLM(nn.Module):
         out, inp = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
         return out is not None and out.weight is inp.weight
 
-    def use_attention(self, name: str) -> None:
+    @property
+    def attention(self) -> str:
+        """The attention implementation transformers runs the model with (its config's)."""
+        return self.hf.config._attn_implementation
+
+    def use_attention(self, name: str, documents: bool = True) -> None:
         """Route every attention call through the function registered under `name` in transformers' registry
-        (parallel/hf_attention.py: one that takes packed rows' document ids and masks by them itself)."""
+        (parallel/hf_attention.py: one that takes packed rows' document ids and masks by them itself;
+        models/hf_attention_impl.py: the model's own, reading head-split tensors locally, documents=False)."""
         self.hf.config._attn_implementation = name
-        self.attention_takes_documents = True
+        self.attention_takes_documents = documents
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,16 +138,17 @@ def build_hf_model(spec: str, seed: int | None = 0) -> HFCausalLM:
         torch.manual_seed(seed)  # the same initial weights on every rank and in the single-device reference
     files = sorted(weights_dir.glob("*.safetensors")) if weights_dir else []
     if files:
-        model = load_safetensors(config, files)
+        model = with_supported_attention(lambda attention: load_safetensors(config, files, attention), spec)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = with_supported_attention(lambda attention: transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention, dtype=torch.float32), spec)
     from paratrain.models.hf_moe import install_paratrain_experts
 
     install_paratrain_experts(model)  # MoE layers: paratrain's experts forward (--ep, --tp, verify's routing)
     return HFCausalLM(model, spec)
 
 
-def load_safetensors(config, files: list[Path]) -> nn.Module:
+def load_safetensors(config, files: list[Path], attention: str = "sdpa") -> nn.Module:
     """The model of `config` with every tensor from the files, loaded by transformers' own from_pretrained: it
     takes the layout save_pretrained writes (transformers 5 fuses one-weight-per-expert MoE tensors on load) as
     well as the state dict's own, and ties a head written once. Missing, foreign or misshaped names fail."""
@@ -145,7 +160,7 @@ def load_safetensors(config, files: list[Path]) -> nn.Module:
     model_class = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with quiet_transformers():
         model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32,
-                                                  attn_implementation="sdpa", output_loading_info=True,
+                                                  attn_implementation=attention, output_loading_info=True,
                                                   ignore_mismatched_sizes=True)
     missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
     mismatched = sorted(str(m[0] if isinstance(m, tuple) else m) for m in info.get("mismatched_keys") or ())
@@ -169,6 +184,3 @@ def quiet_transformers():
         if bars:
             logging_.enable_progress_bar()
 
-
-# MoE families whose experts paratrain's forward (models/hf_moe.py) is verified on under --ep and --tp
-EXPERT_SPLIT_VERIFIED = ("qwen3_moe", "mixtral", "olmoe")

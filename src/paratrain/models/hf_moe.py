@@ -1,9 +1,13 @@
-"""transformers' Mixture-of-Experts layers (Qwen3-MoE, Mixtral, OLMoE, ...) under paratrain's expert swap points.
+"""transformers' Mixture-of-Experts layers (any family whose experts take transformers' experts interface: Qwen2/3-MoE,
+Mixtral, OLMoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, ...) under paratrain's expert swap points.
 
-transformers 5 stores each MoE layer's experts fused in one module: `gate_up_proj` (E, 2 * I, H), gate rows
-first, and `down_proj` (E, H, I), computed as `act(x W_gate^T) * (x W_up^T) W_down^T`; the block's own router
-chooses the top-k experts and hands the experts module (tokens, expert ids, gates). We keep the router and
-the weights exactly as they are (names, shapes, checkpoints, export) and replace only how the experts module
+transformers 5 stores each MoE layer's experts fused in one module (models/hf_moe_layout.py finds it by its shape):
+`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I), or transposed ((E, H, 2I), (E, I, H): GPT-OSS, Aria), with
+optional per-expert biases (GPT-OSS), an optional norm after the experts, and the family's own gate
+(`_apply_gate`: SwiGLU on concatenated or interleaved halves, GPT-OSS's clamped variant) or none (`up_proj` and
+the activation); the block's own router (softmax, sigmoid, group-limited, with or without a routing bias) chooses
+the top-k experts and hands the experts module (tokens, expert ids, gates). We keep the router, the shared experts
+and the weights exactly as they are (names, shapes, checkpoints, export) and replace only how the experts module
 computes, through transformers' documented experts interface: `experts_implementation="paratrain"`
 (integrations/moe.py's ExpertsInterface, as `attn_implementation` is for attention). The registered forward
 is paratrain's: the routed copies sorted by expert, one grouped GEMM (or a loop), through the swap points
@@ -25,7 +29,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -50,21 +53,17 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "is_concatenated")]
 
 
-def computes_here(module: nn.Module) -> bool:
-    """transformers 5's fused layout this forward computes: 3-D gate_up_proj / down_proj, gate and up
-    concatenated, not transposed, no biases, no norm after the experts."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
-            and getattr(module, "has_gate", False) and module.is_concatenated
-            and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
-            and not getattr(module, "has_post_expert_norm", True))
-
-
 def install_paratrain_experts(hf_model: nn.Module) -> int:
-    """Route every experts module of `hf_model` through paratrain's forward; returns how many. A model with an
-    experts module in another layout keeps transformers' own forward (one implementation serves the config)."""
+    """Route every experts module of `hf_model` through paratrain's forward; returns how many. Where any layer's
+    experts cannot be split (hf_moe_layout.py's split_refusal: another layout, or a router with other choices),
+    the model keeps transformers' own forward (one implementation serves the config)."""
+    from paratrain.models.hf_moe_layout import moe_layers
+
+    layers = moe_layers(hf_model)
     modules = experts_modules(hf_model)
-    if not modules or not all(computes_here(m) for _, m in modules):
+    splittable = {layer.experts for layer in layers if layer.split_refusal() is None}
+    if not modules or not layers or any(name not in splittable for name, _ in modules) or \
+            len(splittable) != len(layers):
         return 0
     from transformers.integrations.moe import ExpertsInterface
 
@@ -81,6 +80,12 @@ def install_paratrain_experts(hf_model: nn.Module) -> int:
         module.last_load = None
         module.last_dropped = 0
     return len(modules)
+
+
+def expert_tensors(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The experts module's own (E, ...) parameters: what --ep and --tp split by expert."""
+    n = module.num_experts
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == n]
 
 
 def balancing_coef(config) -> float:
@@ -108,24 +113,43 @@ def add_balancing_loss(hf_model: nn.Module, logits: torch.Tensor, router_logits,
     return AddAuxLoss.apply(logits, aux, carrier.aux_scale, None)
 
 
-def grouped_swiglu(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x: (copies, H) sorted by expert, counts: copies per expert this rank holds -> (copies, H)."""
-    gate_up, down = local_weight(module.gate_up_proj), local_weight(module.down_proj)
+def grouped_experts(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x: (copies, H) sorted by expert, counts: copies per expert this rank holds -> (copies, H), in the module's
+    own layout (its flags: transposed weights, biases, its gate or the plain activation, a norm after)."""
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    up, down = local_weight(getattr(module, up_name)), local_weight(module.down_proj)
+    if not module.is_transposed:  # (E, out, in) -> (E, in, out): every GEMM below is x @ w[e]
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
     if grouped_mm_supported(x):
-        x, gate_up, down = grouped_mm_inputs(x, gate_up, down)
+        x, up, down = grouped_mm_inputs(x, up, down)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = module._apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs))
-        return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
-    return _expert_loop(module, x, counts, gate_up, down)
+        h = _add_bias(module, up_name, torch._grouped_mm(x, up, offs=offs), counts)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = _add_bias(module, "down_proj", torch._grouped_mm(h, down, offs=offs), counts)
+    else:
+        y = _expert_loop(module, up_name, x, counts, up, down)
+    return module.post_expert_norm(y) if module.has_post_expert_norm else y
+
+
+def _add_bias(module: nn.Module, name: str, y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if not module.has_bias:
+        return y
+    bias = local_weight(getattr(module, name + "_bias"))
+    return y + bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=y.shape[0])
 
 
 @torch.compiler.disable  # the split sizes are read on the host: the rest of the model still compiles
-def _expert_loop(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+def _expert_loop(module: nn.Module, up_name: str, x: torch.Tensor, counts: torch.Tensor, up: torch.Tensor,
                  down: torch.Tensor) -> torch.Tensor:
-    # unbind, not gate_up[e]: indexing's backward writes a zero gradient of all experts per expert
-    outs = [F.linear(module._apply_gate(F.linear(chunk, a)), b)
-            for chunk, a, b in zip(torch.split(x, counts.tolist()), gate_up.unbind(0), down.unbind(0))]
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    biases = [local_weight(getattr(module, f"{name}_bias")).unbind(0) if module.has_bias else [None] * up.shape[0]
+              for name in (up_name, "down_proj")]
+    outs = []
+    # unbind, not up[e]: indexing's backward writes a zero gradient of all experts per expert
+    for chunk, a, b, bias_a, bias_b in zip(torch.split(x, counts.tolist()), up.unbind(0), down.unbind(0), *biases):
+        h = chunk @ a if bias_a is None else torch.addmm(bias_a, chunk, a)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        outs.append(h @ b if bias_b is None else torch.addmm(bias_b, h, b))
+    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[-1])
 
 
 def paratrain_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -141,7 +165,7 @@ def paratrain_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
                                                                       hidden_states[tokens, 0].detach().float())])
     self.last_load = self.last_routing[0]
     self.routing_forwards += 1
-    compute = functools.partial(grouped_swiglu, self)
+    compute = functools.partial(grouped_experts, self)
     if self.tp_mesh is not None:
         return _tp_split_forward(self, hidden_states, tokens, experts_ids, gates, compute)
     out = self.dispatch(routed_input(hidden_states), tokens, experts_ids, gates, compute, n_experts, k)
@@ -149,7 +173,7 @@ def paratrain_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
 
 
 # -- --tp: the experts split over the tp ranks by expert -------------------------------------------------------
-def _grad_summed_over(x: torch.Tensor, mesh) -> torch.Tensor:
+def grad_summed_over(x: torch.Tensor, mesh) -> torch.Tensor:
     """Identity forward; in backward the ranks' partial gradients are summed (a column-parallel entry)."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
@@ -165,10 +189,10 @@ def _tp_split_forward(self, x, tokens, experts_ids, gates, compute) -> torch.Ten
     linear's. The gates' and the inputs' gradients are partial on each rank (only its experts' copies reach
     them) and summed in backward, so the router's gradient is whole on every rank, as its Replicate weight needs."""
     mesh = self.tp_mesh
-    local = local_weight(self.gate_up_proj).shape[0]
+    local = local_weight(self.down_proj).shape[0]
     first = mesh.get_local_rank() * local
     mine = (experts_ids >= first) & (experts_ids < first + local)
-    x_in, gates = _grad_summed_over(x, mesh), _grad_summed_over(gates, mesh)
+    x_in, gates = grad_summed_over(x, mesh), grad_summed_over(gates, mesh)
     tokens, ids, gates = tokens[mine], experts_ids[mine] - first, gates[mine]
     out = local_dispatch(routed_input(x_in), tokens, ids, gates, compute, local).to(x.dtype)
     return _summed_over(out, mesh)
@@ -176,12 +200,12 @@ def _tp_split_forward(self, x, tokens, experts_ids, gates, compute) -> torch.Ten
 
 class SplitExpertsOverTP(ParallelStyle):
     """transformers' "moe_tp_experts" (with "packed_colwise" gate_up_proj and "rowwise" down_proj), done as an
-    expert split: gate_up_proj and down_proj become Shard(0) DTensors (E / tp experts per rank, whole), and the
-    forward above computes each routed copy once, on the rank holding its expert."""
+    expert split: every (E, ...) tensor of the experts module (projections and their biases) becomes a Shard(0)
+    DTensor (E / tp experts per rank, whole), and the forward above computes each routed copy once, on the rank
+    holding its expert. Also the split of a model whose tp plan leaves its experts out (GPT-OSS)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name in ("gate_up_proj", "down_proj"):
-            p = getattr(module, name)
+        for name, p in expert_tensors(module):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Shard(0)]),
                                                          requires_grad=p.requires_grad))
         module.tp_mesh = device_mesh

@@ -1,8 +1,9 @@
 """A Hugging Face config.json (already read, as data) -> ModelArgs: the one parser, for train and plan alike.
 
-gpt2, llama, mistral and qwen2 configs are read from the bare JSON (no transformers, no torch: a plan answered
-from the trace cache imports neither); any other decoder-only causal LM goes through transformers' own config
-class (hf_args.py), whose attribute_map gives every architecture the common names.
+gpt2, llama, mistral and qwen2 configs, and six MoE families (MOE_TYPES), are read from the bare JSON (no
+transformers, no torch: a plan answered from the trace cache imports neither); any other decoder-only causal LM
+goes through transformers' own config class (hf_args.py), whose attribute_map gives every architecture the common
+names, and whose MoE layers are found by their shape on the meta device (models/hf_moe_layout.py).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def args_from_hf_config(doc: dict, where: str = "config.json", name: str | None 
     return args_from_doc(doc, name, seq_len)
 
 
-# model_type -> (experts key, expert hidden size key, router): the MoE fields of each config family
+# model_type -> (experts key, expert hidden size key, router): the MoE fields of the families read without
+# transformers (the planner's fast path); the runtime finds every family's experts by their shape
 MOE_TYPES = {"qwen3_moe": ("num_experts", "moe_intermediate_size", "softmax"),
              "mixtral": ("num_local_experts", "intermediate_size", "softmax"),
              "olmoe": ("num_experts", "intermediate_size", "softmax"),
@@ -95,6 +97,13 @@ def _mla_head_dim(doc: dict, heads: int, kv: int, dim: int) -> int:
     return max(2, round((q + kv_params + o) / (2 * dim * (heads + kv)) / 2) * 2)
 
 
+def _qwen3_moe_dense_layers(doc: dict, layers: int) -> int:
+    """Qwen3-MoE's dense layers: those in mlp_only_layers and those off its decoder_sparse_step."""
+    step = int(doc.get("decoder_sparse_step") or 1)
+    only = set(doc.get("mlp_only_layers") or ())
+    return sum(1 for i in range(layers) if i in only or (i + 1) % step)
+
+
 def moe_args_from_hf_config(doc: dict, where: str, name: str, seq_len: int | None) -> ModelArgs:
     """Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS and GLM-4.5 configs: the attention of a Llama, MoE
     feed-forwards (GPT-OSS's attention sinks and biases and GLM's q/k/v biases left out: under 0.1% of either)."""
@@ -109,9 +118,8 @@ def moe_args_from_hf_config(doc: dict, where: str, name: str, seq_len: int | Non
     else:
         head_dim = head_dim_of(doc.get("head_dim"), dim, heads, where)
     dense_layers = int(doc.get("first_k_dense_replace", 0) or 0)
-    if kind == "qwen3_moe" and (doc.get("mlp_only_layers") or int(doc.get("decoder_sparse_step", 1)) != 1):
-        raise UserError(f"{where}: qwen3_moe with dense layers between MoE ones (mlp_only_layers, "
-                        "decoder_sparse_step) is not supported")
+    if kind == "qwen3_moe":  # dense layers between MoE ones: counted (the runtime finds each layer's own kind)
+        dense_layers = _qwen3_moe_dense_layers(doc, _need(doc, "num_hidden_layers", where))
     # transformers 5 writes some families' expert count under another name (qwen3_moe: num_local_experts)
     experts_key = next((k for k in (experts_key, *EXPERT_COUNT_KEYS) if doc.get(k) is not None), experts_key)
     expert_dim = _need(doc, hidden_key, where)

@@ -7,10 +7,18 @@ vocab-sharded, the head column-parallel (vocab-sharded logits under loss paralle
 (ReplicateParallel) or, with sequence parallel, sharded on the sequence. Sequence parallel also makes each
 row-parallel output a sequence-sharded DTensor and gathers the sequence back at each sub-layer's entry.
 
-MoE layers (transformers 5's fused experts): the plan's "moe_tp_experts" module, with its "packed_colwise"
-gate_up_proj and "rowwise" down_proj, becomes models/hf_moe.py's SplitExpertsOverTP (the experts split over the
-tp ranks by expert, each routed copy computed once) and the router is kept whole (ReplicateRouter). Entries for
-modules the model does not have (a Qwen3-MoE's dense MLPs when every layer is sparse) are left out.
+MoE layers (transformers 5's fused experts, found by their shape: models/hf_moe_layout.py): the plan's
+"moe_tp_experts" module, with its "packed_colwise" gate_up_proj and "rowwise" down_proj, becomes
+models/hf_moe.py's SplitExpertsOverTP (the experts split over the tp ranks by expert, each routed copy computed
+once) and the router is kept whole (ReplicateRouter); a model whose plan leaves its experts out (GPT-OSS) gets the
+same. Entries for modules a layer does not have (DeepSeek-V3's dense MLP entries on its MoE layers) are written
+per layer, for the layers that have them.
+
+Attention the plan leaves out (GPT-OSS, DeepSeek-V3's multi-head latent attention) is split by heads as the other
+families' plans split it: the per-head projections (q/k/v, or MLA's q_b_proj and kv_b_proj) column-parallel, o_proj
+row-parallel, the shared low-rank projections and their norms whole, and the module's own per-head tensors
+(GPT-OSS's attention sinks) split with their heads (HeadSplitParams). A module that still holds parameters no
+entry places is kept whole on every rank (without sequence parallel; with it, refused).
 """
 
 from __future__ import annotations
@@ -26,13 +34,19 @@ from torch.distributed.tensor.parallel import (
 )
 
 from paratrain.errors import UserError
+from paratrain.models.hf_files import config_value
 from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, VocabParallelEmbedding
 
 # transformers' style names we translate; the first four split a linear (their parents gather the sequence under SP)
 KNOWN_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
-                "sequence_parallel", "moe_tp_experts")
+                "sequence_parallel", "moe_tp_experts", "mla_kv_a_proj")
 # the experts module's own weights: SplitExpertsOverTP places them (translated with their module, not alone)
-EXPERT_WEIGHT_STYLES = ("packed_colwise", "rowwise")
+EXPERT_WEIGHT_STYLES = ("packed_colwise", "packed_rowwise", "rowwise")
+# the token table's own entry: hf_tp_plan places the table itself (vocabulary-sharded, tied or not)
+EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise")
+# attention the plan leaves out, split by heads (module docstring): transformers' own projection names
+HEAD_SPLIT = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "q_b_proj": "colwise",
+              "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
 
 
 class GatherSequenceInput(ParallelStyle):
@@ -71,12 +85,14 @@ class HeadShardedNorm(ParallelStyle):
 def model_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     """The config class's `base_model_tp_plan` (module path under the base model -> style name), or refuse."""
     plan = getattr(hf_model.config, "base_model_tp_plan", None) or getattr(type(hf_model.config), "base_model_tp_plan", None)
-    if not plan:
+    if plan and not set(plan.values()) - set(EMBEDDING_STYLES):
+        plan = {}  # only the token table named (GPT-OSS): the rest is found by shape (hf_tp_plan)
+    elif not plan:
         raise UserError(f"{type(hf_model).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan); "
                         "run it with a data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
     experts = [path for path, style in plan.items() if style == "moe_tp_experts"]
-    plan = {path: style for path, style in plan.items()
-            if not any(path.startswith(e + ".") and style in EXPERT_WEIGHT_STYLES for e in experts)}
+    plan = {path: style for path, style in plan.items() if style not in EMBEDDING_STYLES and
+            not any(path.startswith(e + ".") and style in EXPERT_WEIGHT_STYLES for e in experts)}
     odd = sorted({style for style in plan.values() if style not in KNOWN_STYLES})
     if odd:
         raise UserError(f"{type(hf_model).__name__}'s tensor-parallel plan uses {', '.join(odd)}, which paratrain does "
@@ -84,7 +100,32 @@ def model_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def translate(style: str, sp: bool) -> ParallelStyle:
+class MlaKvAProj(ReplicateParallel):
+    """transformers' "mla_kv_a_proj": multi-head latent attention's shared down-projection (the key/value latent,
+    then the rotary key part every head reads) whole on every tp rank. The rotary part goes to the heads straight,
+    not through the column-parallel kv_b_proj that sums its input's gradient over the ranks, so its gradient is
+    summed here: each rank's heads give only part of it."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from paratrain.models.hf_moe import grad_summed_over
+
+        module = super()._apply(module, device_mesh)
+        rope = self.rope_dim
+
+        def sum_rope_grads(_module, _inputs, out):
+            return torch.cat([out[..., :-rope], grad_summed_over(out[..., -rope:], device_mesh)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grads)
+        return module
+
+
+def translate(style: str, sp: bool, config=None) -> ParallelStyle:
+    if style == "mla_kv_a_proj":
+        return MlaKvAProj(config.qk_rope_head_dim)
     if style == "colwise":
         return ColwiseParallel()
     if style == "colwise_gather_output":
@@ -116,7 +157,8 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
         # the parents of the split linears ("layers.*.self_attn", "layers.*.mlp") gather the sequence on entry
         for parent in dict.fromkeys(path.rpartition(".")[0] for path, s in styles.items() if s in KNOWN_STYLES[:4]):
             plan[base + parent] = GatherSequenceInput()
-    plan.update({base + path: translate(style, sp) for path, style in styles.items()})
+    plan.update({base + path: translate(style, sp, hf.config) for path, style in styles.items()})
+    plan.update(found_by_shape(model, plan, sp))
     named = {id(m): n for n, m in model.named_modules()}
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
@@ -136,8 +178,11 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
             plan[_wildcard(name)] = ReplicateRouter()
             continue
         if not _is_norm(module):
-            raise UserError(f"{type(hf).__name__}: module {name} ({type(module).__name__}) holds parameters its "
-                            "tensor-parallel plan does not place; use a data-parallel strategy")
+            if sp:
+                raise UserError(f"{type(hf).__name__}: module {name} ({type(module).__name__}) holds parameters its "
+                                "tensor-parallel plan does not place; run tp without sequence parallelism (--no-sp)")
+            plan[name] = ReplicateParallel()  # kept whole on every rank: its input is whole without SP
+            continue
         # under SP only the norms on the residual stream see sequence-sharded input; one inside a sub-layer
         # (e.g. OLMo2's q/k norms after a gathered projection) sees whole tensors
         plan[_wildcard(name)] = SequenceParallel() if sp and _on_residual_stream(name) else ReplicateParallel()
@@ -145,7 +190,85 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
         out = dict(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                    use_local_output=not loss_parallel)
         plan[named[id(head)]] = TiedColwiseParallel(embedding, **out) if tied else ColwiseParallel(**out)
-    return plan
+    return per_layer_where_mixed(model, plan)
+
+
+def found_by_shape(model: nn.Module, plan: dict, sp: bool) -> dict:
+    """Entries for what the model's own plan leaves out (module docstring): its MoE layers' experts and routers,
+    and attention split by heads."""
+    from paratrain.models.hf_moe import ReplicateRouter, SplitExpertsOverTP
+    from paratrain.models.hf_moe_layout import moe_layers
+
+    out: dict = {}
+    for layer in moe_layers(model.hf):
+        if not _covered(f"hf.{layer.experts}", plan) and layer.split_refusal() is None:
+            out[f"hf.{layer.experts}"] = SplitExpertsOverTP()
+            out[f"hf.{layer.router}"] = ReplicateRouter()
+    heads = config_value(model.hf.config, "num_attention_heads")
+    for name, module in model.named_modules():
+        if not _is_attention(module) or any(_covered(f"{name}.{child}", plan) for child in HEAD_SPLIT):
+            continue
+        if sp:
+            raise UserError(f"{type(model.hf).__name__}: its tensor-parallel plan leaves out {name} "
+                            f"({type(module).__name__}); run tp without sequence parallelism (--no-sp)")
+        for child, style in HEAD_SPLIT.items():
+            if isinstance(getattr(module, child, None), nn.Linear):
+                out[f"{name}.{child}"] = translate(style, sp, model.hf.config)
+        for child_name, child in module.named_children():  # a norm per head (its size: the head's) sees split heads
+            if _is_norm(child) and getattr(child, "weight", None) is not None and \
+                    child.weight.shape[0] == getattr(module, "head_dim", None):
+                out[f"{name}.{child_name}"] = HeadShardedNorm()
+        if any(p.shape[:1] == (heads,) for p in module.parameters(recurse=False)):
+            out[name] = HeadSplitParams(model)
+    return out
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """A transformers attention module: an output projection behind per-head query projections."""
+    return isinstance(getattr(module, "o_proj", None), nn.Linear) and \
+        any(isinstance(getattr(module, q, None), nn.Linear) for q in ("q_proj", "q_b_proj"))
+
+
+class HeadSplitParams(ParallelStyle):
+    """An attention module's own per-head tensors (GPT-OSS's sinks, one per head) split with its heads (Shard(0));
+    the model's attention function then reads them through a view that hands it their local part, as the
+    head-split projections hand it local heads (models/hf_attention_impl.py)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_tensor
+
+        from paratrain.models.hf_attention_impl import local_params_attention
+
+        heads = config_value(module.config, "num_attention_heads")
+        for name, p in list(module.named_parameters(recurse=False)):
+            placement = [Shard(0)] if p.shape[:1] == (heads,) else [Replicate()]
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, placement),
+                                                         requires_grad=p.requires_grad))
+        self.model.use_attention(local_params_attention(self.model.attention), documents=False)
+        return module
+
+
+def per_layer_where_mixed(model: nn.Module, plan: dict) -> dict:
+    """Wildcard entries that match in some decoder layers only (a dense MLP's entries beside MoE layers) written
+    out per layer, so that parallelize_module never looks for a module a layer does not have."""
+    names = [name for name, _ in model.named_modules()]
+    out: dict = {}
+    for key, style in plan.items():
+        first = key.find("*")
+        if first < 0:
+            out[key] = style
+            continue
+        matched = [n for n in names if _covered(n, {key: None})]
+        holders = [n for n in names if _covered(n, {key[:first + 1]: None})]
+        if len({n.split(".")[key[:first].count(".")] for n in matched}) == len(holders):
+            out[key] = style
+        else:
+            out.update(dict.fromkeys(matched, style))
+    return out
 
 
 def _covered(name: str, plan: dict) -> bool:

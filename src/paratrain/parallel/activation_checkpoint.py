@@ -41,6 +41,12 @@ def ops_to_save() -> frozenset:
     return frozenset(ops)
 
 
+def kept_collectives(mode: str) -> frozenset[str]:
+    """The collectives whose outputs `mode` keeps for the backward, so its recomputation does not issue them again
+    (ops_to_save: selective AC keeps the TP/SP reduce-scatter's; the all-gathers and all-reduces are replayed)."""
+    return frozenset({"reduce_scatter"}) if mode == "selective" else frozenset()
+
+
 def _save_matmuls_policy(saved: frozenset):
     def policy(ctx, op, *args, **kwargs):
         # MUST_* so that torch.compile's own recompute heuristics keep the same choice

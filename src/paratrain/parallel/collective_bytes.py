@@ -122,21 +122,21 @@ def _payload_bytes(arg) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(arg) if isinstance(t, torch.Tensor))
 
 
-def _group_size(args, kwargs) -> int:
-    """Size of the process group a collective runs over (from a ProcessGroup or a group-name argument)."""
+def _group_of(args, kwargs):
+    """The process group a collective runs over (a ProcessGroup or a group-name argument), or None."""
     from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
 
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, ProcessGroup):
-            return a.size()
+            return a
         if isinstance(a, torch.ScriptObject):  # c10d ops receive the group boxed as a TorchScript object
             with contextlib.suppress(Exception):
-                return ProcessGroup.unbox(a).size()
+                return ProcessGroup.unbox(a)
     for a in reversed(list(args) + list(kwargs.values())):
         if isinstance(a, str):
             with contextlib.suppress(Exception):
-                return _resolve_process_group(a).size()
-    return 1
+                return _resolve_process_group(a)
+    return None
 
 
 try:
@@ -146,9 +146,9 @@ except ImportError:  # a torch built without distributed
 
 
 class _CountingMode(TorchDispatchMode):
-    def __init__(self, stats: CollectiveStats):
+    def __init__(self, stats: CollectiveStats, group=None):
         super().__init__()
-        self.stats = stats
+        self.stats, self.group_name = stats, None if group is None else group.group_name
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -161,18 +161,22 @@ class _CountingMode(TorchDispatchMode):
             spec = table.get(func.overloadpacket.__name__)
             if spec is not None:
                 category, index, times_group = spec
-                size = _group_size(args, kwargs)
+                group = _group_of(args, kwargs)
+                if self.group_name is not None and getattr(group, "group_name", None) != self.group_name:
+                    return out
+                size = 1 if group is None else group.size()
                 nbytes = _payload_bytes(args[index] if index < len(args) else ())
                 self.stats.record(category, nbytes * (size if times_group else 1), size)
         return out
 
 
 @contextlib.contextmanager
-def count_collectives(enabled: bool = True):
-    """Yield a CollectiveStats that fills in while the block runs (an empty one when not enabled)."""
+def count_collectives(enabled: bool = True, group=None):
+    """Yield a CollectiveStats that fills in while the block runs (an empty one when not enabled); given a process
+    `group`, only the collectives on that group (e.g. --semi-sync's cross-island one)."""
     stats = CollectiveStats()
     if not enabled:
         yield stats
         return
-    with _CountingMode(stats):
+    with _CountingMode(stats, group):
         yield stats

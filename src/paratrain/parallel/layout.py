@@ -82,6 +82,9 @@ class Layout:
     compile: bool = False
     ddp_comm_hook: str = "none"
     local_sgd_period: int = 0
+    # --semi-sync (parallel/semi_sync/): "diloco" | "streaming-diloco", or "" (off); data parallelism then stays
+    # inside each island (dp_replicate coordinate) and the islands meet only in the outer step
+    semi_sync: str = ""
     cpu_offload: bool = False
     powersgd_start: int = 2  # plain all-reduce steps before PowerSGD compresses
     # uneven splits (parallel/uneven_split.py); empty: even. dp_micro_batches: each data-parallel rank's micro-batch
@@ -165,8 +168,9 @@ class Layout:
 
     @property
     def ddp(self) -> bool:
-        """DDP over dp_cp when nothing is sharded but ranks replicate (data or context parallel)."""
-        return self.dp_shard == 1 and (self.dp_replicate > 1 or self.cp > 1)
+        """DDP over dp_cp when nothing is sharded but ranks replicate (data or context parallel); under --semi-sync
+        over an island's context-parallel ranks only (the replicas meet in the outer step instead)."""
+        return self.dp_shard == 1 and ((self.dp_replicate > 1 and not self.semi_sync) or self.cp > 1)
 
     @property
     def shard_degree(self) -> int:
@@ -258,6 +262,8 @@ class Layout:
             extra.append("dp batches " + ":".join(map(str, self.dp_micro_batches)))
         if self.pp_layers:
             extra.append("pp layers " + ":".join(map(str, self.pp_layers)))
+        if self.semi_sync:
+            extra.append(f"{self.semi_sync} islands")
         body = self.describe() if self.world > 1 else "1 device"
         return f"{self.strategy} [{body}{'; ' + ', '.join(extra) if extra else ''}]"
 

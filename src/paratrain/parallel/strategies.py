@@ -178,7 +178,8 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     return Layout(**degrees, zero_stage=zero_stage_for(row, degrees), sp=sp, cp_impl=cp_impl,
                   pp_schedule=schedule, virtual_stages=virtual, micro_batch=micro, microbatches=microbatches,
                   ac=cfg.ac, dtype=cfg.dtype, compile=cfg.compile, ddp_comm_hook=hook,
-                  local_sgd_period=cfg.local_sgd_period, cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start,
+                  local_sgd_period=cfg.local_sgd_period, semi_sync=getattr(cfg, "semi_sync", None) or "",
+                  cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start,
                   **uneven)
 
 

@@ -79,10 +79,17 @@ class Technique:
         return {}
 
     # -- the memory estimate -------------------------------------------------------------------------------------
+    def kept_gradients(self, tr, args, layout) -> tuple | None:
+        """((unit, share), ...): the share of each model unit's traced gradients ("pre", "block", "head") one rank
+        keeps once that unit's backward is done (FSDP reduce-scatters them then); None: this technique keeps
+        them whole. `tr`: the part's trace (plan/costing/compose.py Composed)."""
+        return None
+
     def shard_states(self, s, tr, args, layout, part: str, layers: int, dtype: str, notes: list[str]) -> None:
         """Change one rank's states of one model part in place as this technique's wrapper holds them (data
         parallelism's sharding and buffers). `s` (plan/costing/memory.py RankStates): params, optimizer, grads,
-        opt_rest, grads_live, extra (bytes) and fb (the traced forward/backward peak); `tr`: the part's trace."""
+        opt_rest, grads_live, extra, acts (bytes), fb (the traced forward/backward peak) and kept (the gradient
+        shares fb was walked with: kept_gradients); `tr`: the part's trace."""
 
     # -- plan's reasons ------------------------------------------------------------------------------------------
     def reasons(self, r) -> list[str]:

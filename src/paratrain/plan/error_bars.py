@@ -25,14 +25,16 @@ MIN_CASES = 3
 # a family with too few published runs is measured on a wider one
 FALLBACK = {"FSDP": "data-parallel", "DDP/ZeRO-1": "data-parallel", "single": "data-parallel",
             "data-parallel": "all", "tensor-parallel": "all", "context-parallel": "all", "pipeline": "all"}
-# what the predictions of the published runs depend on besides the traced model code (checked apart)
+# what the predictions of the published runs depend on besides the traced model code (checked apart); the
+# benchmark asks `plan` with each case's flags, so plan's request and model inputs count too
 INPUT_FILES = ("costs/collectives.py", "costs/expert_spread.py", "plan/costing/compose.py", "plan/costing/memory.py",
                "plan/costing/time.py", "plan/search.py", "plan/priced_job.py", "costs/hardware.py", "gpu_catalog.py",
                "plan/error_bars.py", "parallel/technique.py", "parallel/dp/dp_cost.py", "parallel/dp/dp_memory.py",
                "parallel/tp/tp_cost.py",
                "parallel/pp/pp_cost.py", "parallel/ep/ep_cost.py", "parallel/dp/dp_technique.py",
                "parallel/tp/tp_technique.py", "parallel/pp/pp_technique.py", "parallel/cp/cp_technique.py",
-               "parallel/ep/ep_technique.py")
+               "parallel/ep/ep_technique.py", "plan/costing/block_kinds.py", "plan/plan_cli.py", "plan/request.py",
+               "plan/inputs/hf_config.py", "plan/inputs/hf_count.py")
 
 
 def layout_family(lay) -> str:

@@ -36,7 +36,8 @@ def check_memory(cfg, layout, args, device_type: str) -> float | None:
     if not cfg.memory_check or args is None:
         return None
     job = Job(args=args, model_name=cfg.model, gpus=layout.world, seq_len=cfg.seq_len,
-              global_batch=cfg.global_batch, dtype=cfg.dtype, device_type=device_type)
+              global_batch=cfg.global_batch, dtype=cfg.dtype, device_type=device_type,
+              optimizer=cfg.optimizer, momentum=cfg.momentum)
     budget = memory_budget_gib(cfg, device_type, job.mem_reserve)
     if budget is None:
         return None
@@ -45,7 +46,7 @@ def check_memory(cfg, layout, args, device_type: str) -> float | None:
     from paratrain.plan.gc_pause import gc_paused
 
     with gc_paused():
-        estimate = estimate_memory(args, layout, cfg.seq_len, layout.dtype, device_type)
+        estimate = estimate_memory(args, layout, cfg.seq_len, layout.dtype, device_type, job.optimizer_states)
     peak = estimate.total / GIB
     if peak <= limit:
         log.info("memory check: %s predicted at %.3g GiB per device, within %.3g GiB (%s)", layout.label(), peak,

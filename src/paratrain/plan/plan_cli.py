@@ -28,19 +28,21 @@ DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def resolve_model(model: str | None, hf_config: str | None):
+    """(ModelArgs, name, counts): a transformers config's counts are those of the model transformers builds
+    (inputs/hf_count.py); a preset's (None) are its ModelArgs' own."""
     if bool(model) == bool(hf_config):
         raise UserError("give exactly one of --model PRESET or --hf-config config.json")
-    if hf_config:
-        from paratrain.plan.inputs.hf_config import load_hf_config
+    from paratrain.plan.inputs.hf_config import load_hf_model, plans_hf_model
 
-        args = load_hf_config(hf_config)
-        return args, args.name
+    if hf_config:
+        args, counts = load_hf_model(hf_config)
+        return args, args.name, counts
     from paratrain.models.presets import get_preset
-    from paratrain.plan.inputs.hf_config import load_hf_config, plans_hf_model
 
     if plans_hf_model(model):  # --model hf:PATH: a transformers config.json, as --hf-config reads it
-        return load_hf_config(model), model
-    return get_preset(model), model
+        args, counts = load_hf_model(model)
+        return args, model, counts
+    return get_preset(model), model, None
 
 
 def _catalog_profile(spec, base: str) -> HardwareProfile:
@@ -53,6 +55,8 @@ def _catalog_profile(spec, base: str) -> HardwareProfile:
 def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
     """--hardware FILE, else --gpu NAME (catalog), else custom figures; cluster overrides on top."""
     custom = (r.peak_tflops, r.mem_gib, r.intra_node_gbs, r.inter_node_gbs)
+    if r.mem_bw_gbs is not None and r.mem_bw_gbs <= 0:
+        raise UserError(f"--mem-bw-gbs must be > 0 (GB/s), got {r.mem_bw_gbs:g}")
     if r.mig and (r.hardware or not r.gpu):
         raise UserError("--mig slices a catalog GPU: give --gpu NAME with it (e.g. --gpu h100-sxm --mig 3g.40gb)")
     if r.hardware:
@@ -66,7 +70,7 @@ def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
             spec = dataclasses.replace(spec, mem_gib=float(r.mem_gib))
         profile = _catalog_profile(spec, base)
     elif any(v is not None for v in custom):
-        profile = profile_from_spec(custom_gpu(*custom, dtype))
+        profile = profile_from_spec(custom_gpu(*custom, dtype, mem_bw_gbs=r.mem_bw_gbs))
     else:
         raise UserError("give --gpu NAME (see --help), --hardware PROFILE.json, or custom hardware "
                         "(--peak-tflops --mem-gib --intra-node-gbs --inter-node-gbs)")
@@ -76,8 +80,12 @@ def resolve_hardware(r: PlanRequest, dtype: str) -> HardwareProfile:
             raise UserError(f"--gpus {r.gpus} is not divisible by --nodes {r.nodes}")
         per_node = r.gpus // r.nodes
     named = r.gpu or r.hardware  # the links of a named or measured GPU may be overridden
+    if r.mem_bw_gbs is not None and profile.calibrated:
+        raise UserError(f"--mem-bw-gbs states a board's memory bandwidth; the --hardware profile {r.hardware} "
+                        "measured its own: drop one of them")
     spec = with_cluster_overrides(profile.gpu, gpus_per_node=per_node, intra=r.intra_node_gbs if named else None,
-                                  inter=r.inter_node_gbs if named else None)
+                                  inter=r.inter_node_gbs if named else None,
+                                  mem_bw_gbs=r.mem_bw_gbs if named else None)
     if spec is not profile.gpu:
         profile = dataclasses.replace(profile, gpu=spec)
         if not profile.calibrated:
@@ -124,17 +132,17 @@ def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, d
     A script may hand the request's fields as a dict."""
     if not isinstance(r, PlanRequest):
         r = PlanRequest.of(r)
-    args, name = resolve_model(r.model, r.hf_config)
+    args, name, counts = resolve_model(r.model, r.hf_config)
     dtype = r.dtype or "bf16"
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
     cluster = resolve_cluster({"cluster": r.cluster, "gpu": r.gpu, "gpus": r.gpus},
                               load_profile(r.hardware) if r.hardware else None)
     if cluster is not None:
-        if r.nodes or r.mig or any(v is not None for v in (r.peak_tflops, r.mem_gib, r.intra_node_gbs,
+        if r.nodes or r.mig or any(v is not None for v in (r.peak_tflops, r.mem_gib, r.mem_bw_gbs, r.intra_node_gbs,
                                                              r.inter_node_gbs)):
             raise UserError("a cluster list or file describes the nodes and links itself: drop --nodes, --mig, "
-                            "--mem-gib, --peak-tflops and the --*-node-gbs options")
+                            "--mem-gib, --mem-bw-gbs, --peak-tflops and the --*-node-gbs options")
         r = r.replace(gpus=len(cluster.devices))
     if r.gpus is None or r.gpus < 1:
         raise UserError("--gpus N (>= 1) is required")
@@ -147,8 +155,34 @@ def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, d
     batch = r.global_batch or max(16, r.gpus)
     device = "cpu" if hw.gpu.name == "cpu" else "cuda"
     job = Job(args=args, model_name=name, gpus=r.gpus, seq_len=seq, global_batch=batch, dtype=dtype,
-              hf_config=r.hf_config, compile=bool(r.compile), device_type=device)
+              hf_config=r.hf_config, compile=bool(r.compile), device_type=device, counts=counts, **priced_schemes(r),
+              **optimizer_choice(r))
     return job, hw, fixed_choices(r), cluster
+
+
+def optimizer_choice(r: PlanRequest) -> dict:
+    """--optimizer and --momentum as the Job takes them (the memory of its state)."""
+    from paratrain.training_options import OPTIMIZERS
+
+    optimizer, momentum = r.optimizer or "adamw", r.momentum or 0.0
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be {', '.join(OPTIMIZERS[:-1])} or {OPTIMIZERS[-1]}, got {optimizer!r}")
+    if momentum and optimizer != "sgd":
+        raise UserError(f"--momentum applies to --optimizer sgd; {optimizer} keeps its two moments whatever --betas")
+    if not 0 <= momentum < 1:
+        raise UserError(f"--momentum must be in [0, 1), got {momentum:g}")
+    return {"optimizer": optimizer, "momentum": momentum}
+
+
+def priced_schemes(r: PlanRequest) -> dict:
+    """The Job options for schemes the cost model prices and paratrain's runtime does not run (priced_job.py)."""
+    from paratrain.costs.expert_spread import ROUTINGS
+
+    if r.moe_routing not in ROUTINGS:
+        raise UserError(f"--moe-routing must be {' or '.join(ROUTINGS)}, got {r.moe_routing!r}")
+    if r.async_tp and not r.compile:
+        raise UserError("--async-tp prices torch's micro-pipelined TP, which runs compiled: add --compile")
+    return {"dist_optimizer": bool(r.dist_optimizer), "async_tp": bool(r.async_tp), "moe_routing": r.moe_routing}
 
 
 def format_devices(cand: dict) -> list[str]:

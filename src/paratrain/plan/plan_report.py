@@ -42,6 +42,9 @@ class ReasonContext:
     states: Callable[[Layout], float]  # a rank's model-state bytes under a layout
     gib: Callable[[float], str]
     time: object = None  # plan/costing/time.py TimeEstimate, once priced
+    # schemes priced that paratrain's runtime does not run (plan --dist-optimizer, --async-tp)
+    dist_optimizer: bool = False
+    async_tp: bool = False
 
 
 def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
@@ -56,7 +59,7 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
         out.append(f"does not fit: {_gib(mem.total)} > {_gib(usable)} usable of {gpu.mem_gib:g} GiB per GPU "
                    f"(peak during the {mem.phase})")
     r = ReasonContext(lay, gpu, job.seq_len, usable, lambda layout: model_states_floor(job, layout), _gib,
-                      cand.time)
+                      cand.time, job.dist_optimizer, job.async_tp)
     for technique in techniques():
         out += technique.reasons(r)
     if lay.ac != "none":
@@ -96,7 +99,8 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
         "feasible": cand.feasible, "reasons": explain(job, hw, cand) + cand.reasons,
         "notes": cand.memory.notes if cand.memory else [],
         "command": "paratrain train " + " ".join([*job.model_flags(),
-                                                  *train_args(lay, job.seq_len, job.global_batch)]),
+                                                  *train_args(lay, job.seq_len, job.global_batch),
+                                                  *job.optimizer_flags()]),
         "dp_batch_split": None, "pp_layers": None,
         "runtime_unsupported": cand.runtime_unsupported,
         "error_bar": error_bar(lay),
@@ -115,7 +119,8 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
                    bottleneck=mixed.bottleneck(), split_reasons=mixed.reasons,
                    reasons=doc["reasons"] + mixed.reasons, micro_batch=run.micro_batch, microbatches=run.microbatches,
                    command="paratrain train " + " ".join([*job.model_flags(),
-                                                          *train_args(run, job.seq_len, job.global_batch)]))
+                                                          *train_args(run, job.seq_len, job.global_batch),
+                                                          *job.optimizer_flags()]))
     return doc
 
 
@@ -135,7 +140,7 @@ def plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int = 10, exh
 
 
 def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaustive: bool, cluster) -> dict:
-    from paratrain.models.presets import count_params, expert_params
+    from paratrain.models.presets import expert_params
 
     found = search_all(job, hw, fixed, exhaustive)
     # only a layout the runtime runs is ever recommended: refused ones come after, and only when none runs
@@ -157,9 +162,7 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
     gpu = hw.gpu
     nodes = math.ceil(job.gpus / gpu.gpus_per_node)
     doc = {
-        "model": {"name": job.model_name, "params": count_params(job.args),
-                  "active_params": count_params(job.args, active=True),
-                  "params_non_embedding": count_params(job.args, include_embedding=False),
+        "model": {"name": job.model_name, **model_counts(job),
                   "family": job.args.family, "layers": job.args.n_layers, "dim": job.args.dim,
                   "heads": job.args.n_heads, "kv_heads": job.args.kv_heads, "ffn_dim": job.args.ffn_dim,
                   "vocab_size": job.args.vocab_size, "flops_per_token": job.flops_per_token,
@@ -173,7 +176,8 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
                     "source": gpu.source, "assumptions": gpu.assumptions, "profile": hw.source,
                     "calibrated": hw.calibrated, "profile_notes": hw.notes},
         "job": {"seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
-                "fixed": {k: v for k, v in fixed.items() if v is not None}},
+                "compile": job.compile, "dist_optimizer": job.dist_optimizer, "async_tp": job.async_tp,
+                "moe_routing": job.moe_routing, "fixed": {k: v for k, v in fixed.items() if v is not None}},
         "recommended": 0 if feasible else None,
         "fits": bool(feasible),
         "layouts_examined": examined,
@@ -226,6 +230,21 @@ def memory_by_part(cand: Candidate) -> str:
                                                           ("optimizer", m.optimizer),
                                                           ("activations", m.activations), ("other", m.other)) if v)
     return f"{_gib(m.total)} per GPU ({parts})"
+
+
+def model_counts(job: Job) -> dict:
+    """params, active_params and params_non_embedding: of the model transformers builds from a config
+    (counted on the meta device), else of the preset's shape; `params_priced`: what the cost model traces."""
+    from paratrain.models.presets import count_params
+
+    traced = count_params(job.args)
+    if job.counts is None:
+        return {"params": traced, "active_params": count_params(job.args, active=True),
+                "params_non_embedding": count_params(job.args, include_embedding=False), "params_priced": traced,
+                "params_counted_by": "the preset's shape"}
+    c = job.counts
+    return {"params": c.params, "active_params": c.active, "params_non_embedding": c.non_embedding,
+            "params_priced": traced, "params_counted_by": "transformers, built on the meta device"}
 
 
 def moe_fields(args, experts: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.models.args import ModelArgs
+from paratrain.plan.inputs.hf_count import ModelCounts
 
 
 @dataclass
@@ -18,7 +19,10 @@ class Job:
     dtype: str = "bf16"
     device_type: str = "cuda"
     mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
+    optimizer: str = "adamw"  # --optimizer and --momentum: how much optimizer state each parameter keeps
+    momentum: float = 0.0
     hf_config: str | None = None  # the model came from this config.json (not a preset)
+    counts: ModelCounts | None = None  # the parameters transformers builds from that config (inputs/hf_count.py)
     compile: bool = False  # torch.compile (time model: fused memory-bound ops)
     # priced, not run by paratrain's runtime: TP collectives overlapped with the matmuls (torch's micro-pipelined
     # async TP, torch._inductor.config._micro_pipeline_tp; needs compile and SP), and ZeRO-1 run as a distributed
@@ -33,12 +37,28 @@ class Job:
         """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
         return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
 
+    @property
+    def optimizer_states(self) -> int:
+        from paratrain.training_options import optimizer_states
+
+        return optimizer_states(self.optimizer, self.momentum)
+
+    def optimizer_flags(self) -> list[str]:
+        """The train flags of a non-default optimizer (a candidate's command repeats them)."""
+        flags = [] if self.optimizer == "adamw" else ["--optimizer", self.optimizer]
+        return flags + (["--momentum", f"{self.momentum:g}"] if self.momentum else [])
+
     def model_flags(self) -> list[str]:
         """How `paratrain train` names this model: the preset, or (hf:) the config file it was read from."""
         return ["--model", f"hf:{self.hf_config}"] if self.hf_config else ["--model", self.model_name]
 
     @property
     def flops_per_token(self) -> float:
-        from paratrain.models.presets import flops_per_token
+        from paratrain.models.presets import count_params, flops_per_token
 
-        return flops_per_token(self.args, self.seq_len)
+        every = flops_per_token(self.args, self.seq_len)
+        if self.counts is None:
+            return every
+        # models/presets.py's convention (6 N + attention) with N the active parameters transformers builds
+        attention = every - 6.0 * count_params(self.args, include_embedding=False, active=True)
+        return 6.0 * self.counts.active_non_embedding + attention

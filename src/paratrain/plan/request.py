@@ -25,6 +25,7 @@ class PlanRequest:
     hardware: str | None = None
     peak_tflops: float | None = None
     mem_gib: float | None = None
+    mem_bw_gbs: float | None = None  # a board's memory bandwidth (GB/s) where it is not the catalog's
     intra_node_gbs: float | None = None
     inter_node_gbs: float | None = None
     # the job
@@ -32,6 +33,12 @@ class PlanRequest:
     global_batch: int | None = None
     dtype: str = "bf16"
     compile: bool = False
+    optimizer: str | None = None  # --optimizer, --momentum: the optimizer state the memory holds (None: adamw, 0)
+    momentum: float | None = None
+    # schemes the cost model prices that paratrain's runtime does not run (plan/priced_job.py Job)
+    dist_optimizer: bool = False
+    async_tp: bool = False
+    moe_routing: str = "random"
     # the answer
     top: int = 10
     search: str = "fast"

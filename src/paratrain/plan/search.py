@@ -117,7 +117,7 @@ def model_states(job: Job, lay: Layout) -> dict[str, float]:
     dp = lay.shard_degree if lay.fsdp else lay.dp
     # FSDP2 keeps parameters sharded between steps at both stages (ZeRO-2 only holds them gathered longer)
     stage = 3 if lay.fsdp else lay.zero_stage
-    return model_state_bytes(n, dp, stage, k_optimizer=8, param_bytes=4, grad_bytes=4)
+    return model_state_bytes(n, dp, stage, k_optimizer=4 * job.optimizer_states, param_bytes=4, grad_bytes=4)
 
 
 def model_states_floor(job: Job, lay: Layout) -> float:
@@ -127,7 +127,7 @@ def model_states_floor(job: Job, lay: Layout) -> float:
 def evaluate(job: Job, hw: HardwareProfile, lay: Layout) -> Candidate:
     cand = Candidate(lay)
     budget = hw.gpu.mem_gib * GIB * (1 - job.mem_reserve)
-    mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type)
+    mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type, job.optimizer_states)
     cand.memory = mem
     cand.feasible = mem.total <= budget
     return with_time(job, hw, cand)

@@ -2,17 +2,19 @@
 one line: by train before any process starts (train/validate.py) and again in each worker (train/trainer.py),
 and by the planner (plan/layout_rules.py), which marks such a candidate runtime_unsupported in the same words.
 
-The model family only states its facts (the MoE families its expert forward is verified on, whether transformers
-ships a TP plan for the type); what a layout does to the model is asked of the Layout."""
+The model family only states its facts, read from its modules on the meta device (models/hf_moe_layout.py: why a
+layer's experts cannot be split; models/hf_attention_impl.py: what its attention computes that context-parallel
+attention does not); what a layout does to the model is asked of the Layout."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 from paratrain.errors import UserError
-from paratrain.models.hf_files import read_hf_config
-from paratrain.models.hf_model import EXPERT_SPLIT_VERIFIED, hf_config_object
+from paratrain.models.hf_files import hf_location, read_hf_config
+from paratrain.models.hf_model import hf_config_object
 
 log = logging.getLogger("paratrain")
 
@@ -24,13 +26,36 @@ def check_hf_run(layout, cfg, args) -> None:
         raise UserError("--init-from loads weights into a paratrain preset; an hf: directory's own *.safetensors "
                         "are loaded by --model hf:DIR")
     kind = read_hf_config(cfg.model)["model_type"]
+    split_refusal, cp_limits = (model_facts(cfg.model) if layout.splits_experts or layout.splits_within_layers
+                                or layout.splits_sequences else (None, ()))
     if getattr(args, "moe", False):
-        check_hf_moe_run(layout, kind, args.n_experts)
+        check_hf_moe_run(layout, kind, args.n_experts, split_refusal)
     check_hf_pipeline_layout(layout)  # after the MoE rules, in the planner's order (plan/layout_rules.py)
     if layout.splits_within_layers and not getattr(type(hf_config_object(read_hf_config(cfg.model), cfg.model)),
                                                    "base_model_tp_plan", None):
         raise UserError(f"{kind} has no tensor-parallel plan in transformers (base_model_tp_plan); run it with a "
                         "data-parallel strategy (ddp, zero1/2/3, hsdp), or cp/pp")
+    if layout.splits_sequences and cp_limits:
+        raise UserError(f"context parallelism (cp) on {kind}: its attention has {'; '.join(cp_limits)}, which "
+                        "paratrain's ring and Ulysses attention do not compute; run it without cp")
+
+
+def model_facts(spec: str) -> tuple[str | None, tuple[str, ...]]:
+    """(why its experts cannot be split, or None; what its attention computes beyond plain causal attention) of
+    the model `spec` names, read once per config file version."""
+    config_path, _ = hf_location(spec)
+    return _model_facts(str(config_path), os.stat(config_path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _model_facts(config_path: str, _mtime: int) -> tuple[str | None, tuple[str, ...]]:
+    from paratrain.models.hf_attention_impl import context_parallel_limits
+    from paratrain.models.hf_model import meta_model
+    from paratrain.models.hf_moe_layout import split_refusals
+
+    model = meta_model(hf_config_object(read_hf_config(config_path), config_path))
+    refusals = split_refusals(model)
+    return (refusals[0] if refusals else None), tuple(context_parallel_limits(model))
 
 
 def check_hf_pipeline_layout(layout) -> None:
@@ -40,11 +65,13 @@ def check_hf_pipeline_layout(layout) -> None:
                         "pp composes with data parallelism (ddp, zero, hsdp) here")
 
 
-def check_hf_moe_run(layout, kind: str, n_experts: int) -> None:
-    """What a transformers MoE model cannot do with its experts split (--ep, --tp), in one line."""
-    if (layout.splits_experts or layout.splits_within_layers) and kind not in EXPERT_SPLIT_VERIFIED:
-        raise UserError(f"--ep / --tp split the experts of {', '.join(EXPERT_SPLIT_VERIFIED)} hf: models; {kind} runs "
-                        "with a data-parallel strategy (ddp, zero1/2/3)")
+def check_hf_moe_run(layout, kind: str, n_experts: int, split_refusal: str | None = None) -> None:
+    """What a transformers MoE model cannot do with its experts split (--ep, --tp), in one line. `split_refusal`:
+    why its experts cannot be split at all (models/hf_moe_layout.py), or None."""
+    if (layout.splits_experts or layout.splits_within_layers) and split_refusal:
+        flag = "--ep" if layout.splits_experts else "--tp"
+        raise UserError(f"{flag} cannot split the experts of this {kind} model: {split_refusal}; run it with a "
+                        "data-parallel strategy (ddp, zero1/2/3)")
     if layout.splits_experts and (layout.splits_within_layers or layout.splits_stages or layout.splits_sequences):
         raise UserError(f"--ep on an hf: model composes with FSDP only (dp_shard); {kind} with --ep and tp, pp or cp "
                         "is not supported: use --ep with --strategy ep or zero3")

@@ -32,6 +32,9 @@ def check_optimizer_graph(cfg, layout) -> None:
     """One line where --optimizer-graph cannot apply (train/validate.py)."""
     if not cfg.optimizer_graph:
         return
+    if cfg.optimizer == "sgd":
+        raise UserError("--optimizer-graph folds the clip into fused Adam(W)'s step; with --optimizer sgd drop "
+                        "--optimizer-graph")
     if cfg.dtype == "fp16":
         raise UserError("--optimizer-graph is not supported with --dtype fp16: its loss scaler already divides the "
                         "gradients through the fused step's grad_scale; use --dtype bf16 or drop --optimizer-graph")

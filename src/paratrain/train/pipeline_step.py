@@ -27,7 +27,7 @@ from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.pp.pipeline_split import carve_stage, split_into_stages, stage_ranks
 from paratrain.parallel.tied_weights import TiedGradSum, end_stage_groups, mark_copy, tied_table_name
 from paratrain.train.data.indexed_sets import Batch
-from paratrain.train.optim import build_optimizer
+from paratrain.train.optim import build_run_optimizer
 from paratrain.train.step import autocast_context, lm_loss
 from paratrain.train.step_runner import run_after_optimizer_step
 
@@ -201,8 +201,7 @@ class PipelineStep:
 
     def build_optimizers(self, cfg) -> list:
         """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
-        return [build_optimizer(list(part.parameters()), cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                                self.device.type, optimizer_graph=cfg.optimizer_graph) for part in self.model_parts]
+        return [build_run_optimizer(list(part.parameters()), cfg, self.device.type) for part in self.model_parts]
 
     def after_optimizer_step(self) -> None:
         run_after_optimizer_step(self.model_parts)

@@ -27,6 +27,7 @@ from paratrain.parallel.compile import compile_loss, fuse_gemm_epilogues
 from paratrain.parallel.layout import Layout
 from paratrain.parallel.loss_weighting import LossWeighting
 from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.semi_sync.outer_sync import build_outer_sync
 from paratrain.parallel.strategies import resolve_layout
 from paratrain.parallel.uneven_split import dp_shares
 from paratrain.train.data.source import make_train_data
@@ -36,9 +37,10 @@ from paratrain.train.hf_run_checks import check_hf_run
 from paratrain.train.hooks import Hooks, default_hooks
 from paratrain.train.host_memory import ResidentBaseline
 from paratrain.train.loss_choice import FusedLoss
+from paratrain.train.lr_schedules import lr_at_step
 from paratrain.train.memory_snapshot import MemorySnapshot, cuda_memory_summary, out_of_memory_error
 from paratrain.train.metrics import StepLog, current_rss_gib, peak_memory_gib
-from paratrain.train.optim import build_optimizer, lr_at, set_lr
+from paratrain.train.optim import build_run_optimizer, loss_scaler, run_optimizer_spec, set_lr
 from paratrain.train.optimizer_graph import OptimizerGraph
 from paratrain.train.param_copies import ParamCopies, wants_bf16_copies
 from paratrain.train.precision import enable_tf32, peak_dtype
@@ -107,10 +109,14 @@ class Trainer:
 
             model = convert_to_float8(model)
         self.tf32 = enable_tf32(runtime.device_type, cfg.dtype, cfg.tf32)
-        self.scaler = torch.amp.GradScaler(runtime.device_type) if cfg.dtype == "fp16" else None
+        self.scaler = loss_scaler(cfg, runtime.device_type)
         self.step_runner = self._build_step_runner(model)
         self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
         self.optimizers = self._build_optimizers()
+        # --semi-sync: the islands' global copy and outer step, after the inner optimizer's (parallel/semi_sync/)
+        # (a --heal-replicas island, one process of its own, gets its outer loop from its healer: island_heal.py)
+        self.outer_sync = build_outer_sync(cfg, self.layout, self.step_runner.model_parts, runtime.rank) \
+            if self.layout.semi_sync and data_shard is None else None
 
         dataset = custom.dataset(cfg) if custom else make_train_data(cfg, self.args.vocab_size)
         self.floor = dataset.entropy_floor()
@@ -136,7 +142,8 @@ class Trainer:
         if runtime.device_type == "cuda" and self.peak_tflops is None and runtime.is_main and not quiet and not custom:
             log.info("MFU unknown: %s has no %s peak in paratrain's GPU catalog (none is borrowed from another GPU)",
                      torch.cuda.get_device_name(runtime.device), peak_dtype(cfg.dtype, self.tf32))
-        self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers)
+        self.state = ckpt.CheckpointState(self.step_runner.model_parts, self.optimizers,
+                                          islands=self.outer_sync and self.outer_sync.checkpoint_view())
         self.fingerprint = ckpt.model_fingerprint(self.model_meta)
         self.last_checkpoint: Path | None = None
         self.run_id: str | None = None  # set by maybe_resume(): whose checkpoints prune may remove
@@ -235,10 +242,10 @@ class Trainer:
         if optimizers is None and self.layout.zero_stage == 1:
             from paratrain.parallel.dp.data_parallel import build_zero1_optimizer
 
-            optimizers = [build_zero1_optimizer(self.params, cfg, self.layout, self.rt.device_type)]
+            optimizers = [build_zero1_optimizer(self.params, run_optimizer_spec(cfg), self.layout,
+                                                self.rt.device_type)]
         elif optimizers is None:
-            optimizers = [build_optimizer(self.params, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                                          self.rt.device_type, optimizer_graph=cfg.optimizer_graph)]
+            optimizers = [build_run_optimizer(self.params, cfg, self.rt.device_type)]
         self.optimizer_graph = OptimizerGraph(optimizers, cfg.grad_clip, self.rt.device) \
             if cfg.optimizer_graph else None
         self.param_copies = ParamCopies(self.step_runner.model_parts) \
@@ -279,6 +286,8 @@ class Trainer:
         if self.run_id is None:  # saved without maybe_resume(): a fresh lineage
             self.run_id = ckpt.new_run_id()
         extra = {"data": self.source.state_dict()}
+        if self.outer_sync is not None:
+            extra["semi_sync"] = self.state.islands.record()
         if self.scaler:
             extra["scaler"] = self.scaler.state_dict()
         meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
@@ -394,7 +403,7 @@ class Trainer:
     def optimizer_step(self) -> tuple[float, torch.Tensor]:
         """Unscale, clip, step: (the learning rate, the gradient norm before clipping, on the device)."""
         self.hooks.fire("on_gradients", self)
-        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
+        lr = lr_at_step(self.cfg, self.step)
         for opt in self.optimizers:
             set_lr(opt, lr)
             if self.scaler:
@@ -415,6 +424,8 @@ class Trainer:
         if self.scaler:
             self.scaler.update()
         self.step_runner.after_optimizer_step()  # e.g. local SGD's periodic parameter averaging
+        if self.outer_sync is not None:
+            self.outer_sync.after_inner_step()
         if self.param_copies is not None:
             self.param_copies.write()
         return lr, norm
@@ -474,7 +485,8 @@ class Trainer:
 
             record.update(expert_load_record(self.step_runner.model_parts))
         if self.validator and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            val = evaluate(self)
+            with self.outer_sync.global_parameters() if self.outer_sync else contextlib.nullcontext():
+                val = evaluate(self)  # under --semi-sync, of the global parameters
             self.last_val = {"val_loss": val, "val_ppl": perplexity(val)}
             record.update(self.last_val)
         run.history.append(record)

@@ -12,13 +12,16 @@ from paratrain.models.presets import model_args_for
 from paratrain.models.speed import model_speed_for
 from paratrain.parallel.checks import check_layout
 from paratrain.parallel.layout import Layout
+from paratrain.parallel.semi_sync.islands import check_semi_sync
 from paratrain.parallel.strategies import resolve_layout, world_size_of
 from paratrain.parallel.tp.tp_technique import check_tp_divides, check_tp_speed
 from paratrain.train.capacity import check_fits_machine
 from paratrain.train.data.source import make_train_data
 from paratrain.train.hf_run_checks import check_hf_run, warn_unapplied_balancing_loss
 from paratrain.train.loss_choice import check_fused_loss
+from paratrain.train.lr_schedules import check_schedule
 from paratrain.train.memory_snapshot import check_memory_snapshot
+from paratrain.train.optim import check_optimizer_options
 from paratrain.train.optimizer_graph import check_optimizer_graph
 from paratrain.train.param_copies import check_bf16_param_copies
 from paratrain.train.precision import check_precision
@@ -44,6 +47,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.tp:  # a model tp cannot split is the root problem, whatever the world size
         check_tp_divides(args, cfg.tp)
     layout = resolve_layout(cfg, world_size)
+    check_semi_sync(cfg, layout)  # before the layout's checks: they would name DDP where islands run none
     check_layout(layout, args, cfg.seq_len, cfg.global_batch, device_type)
     check_tp_speed(model_speed_for(cfg), layout.tp)
     check_fused_loss(cfg, layout, hf=is_hf_model(cfg.model))
@@ -53,6 +57,12 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
         warn_unapplied_balancing_loss(layout, cfg)
     check_precision(cfg, layout, device_type)
     check_optimizer_graph(cfg, layout)
+    check_optimizer_options(cfg)
+    check_schedule(cfg)
+    if cfg.deepspeed:
+        from paratrain.interop.deepspeed_config import check_deepspeed_batch
+
+        check_deepspeed_batch(cfg.deepspeed, cfg.global_batch, cfg.micro_batch, layout.dp)
     check_bf16_param_copies(cfg, layout)
     make_train_data(cfg, args.vocab_size).check()
     from paratrain.train.evaluate import build_validator

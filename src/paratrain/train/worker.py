@@ -89,13 +89,14 @@ def completed_step(trainer) -> int | None:
     return trainer.step if trainer is not None else None
 
 
-def start_flight_recorder(rank: int, run_dir: str | None, timeout_s: float) -> FlightRecorder:
+def start_flight_recorder(rank: int, run_dir: str | None, timeout_s: float, torch_dumps: bool = True) -> FlightRecorder:
     """This rank's recorder, attached to the process's hooks before the process group exists (so torch's
-    recorder is on). It writes well before the peers' timeout: a stalled rank is found by what it wrote."""
+    recorder is on). It writes well before the peers' timeout: a stalled rank is found by what it wrote.
+    torch_dumps=False: no file of torch's own (a --heal-replicas replica: torchft dumps one at every quorum)."""
     from paratrain.train.hooks import default_hooks
 
     hang_dir = Path(run_dir) / "hang" if run_dir else None
-    enable_torch_recorder(hang_dir)
+    enable_torch_recorder(hang_dir if torch_dumps else None)
     recorder = FlightRecorder(rank, hang_dir, stall_after_s=max(0.5, min(10.0, timeout_s / 3)))
     recorder.attach(default_hooks())
     return recorder

@@ -45,6 +45,10 @@ def check_verifiable(cfg, layout) -> None:
                 else "after its warm-up each rank steps on its own gradients")
         raise UserError(f"verify refuses --local-sgd-period {period}: {when}, which cannot match one device step "
                         "for step; its convergence against DDP is tested instead")
+    if layout.semi_sync:
+        raise UserError(f"verify refuses --semi-sync {layout.semi_sync}: between syncs each island steps on its own "
+                        "gradients, which cannot match one device step for step; its reductions to DDP and local SGD "
+                        "are tested instead (docs/strategies.md)")
     if layout.splits_stages:
         return
     if layout.dp_micro_batches:  # --dp-batch-split: --microbatches is the accumulation count

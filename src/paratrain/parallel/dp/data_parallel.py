@@ -84,7 +84,7 @@ def _zero_optimizer_class():
         """ZeroRedundancyOptimizer whose state_dict() DCP can save and reshard.
 
         torch's state_dict() needs consolidate_state_dict() onto one rank first (and pickles states on the
-        way). Here state_dict() is collective: every owner broadcasts its parameters' AdamW states as tensors,
+        way). Here state_dict() is collective: every owner broadcasts its parameters' states as tensors,
         so every rank returns the same full state (transiently unsharded) and DCP writes each key once.
         load_state_dict() keeps only the states of the parameters this rank owns now, so a checkpoint loads
         at any world size and into a plain AdamW run too.
@@ -103,7 +103,7 @@ def _zero_optimizer_class():
             import torch.distributed as dist
 
             params = [p for g in self.param_groups for p in g["params"]]
-            keys = ("step", "exp_avg", "exp_avg_sq")
+            keys = zero1_state_keys(self.optim)
             comm_device = params[0].device
             state = {}
             for index, param in enumerate(params):
@@ -149,12 +149,22 @@ def _zero_optimizer_class():
     return CheckpointableZero
 
 
-def build_zero1_optimizer(params, cfg, layout, device_type: str):
-    """ZeRO stage 1: AdamW states sharded over the data-parallel ranks; DDP still all-reduces full grads."""
+def zero1_state_keys(optim) -> tuple[str, ...]:
+    """The per-parameter state the wrapped optimizer keeps, known on every rank (a rank that owns none of a
+    parameter's state must still join its broadcast): Adam(W)'s step and two moments; SGD's momentum buffer, or
+    nothing without momentum."""
+    if isinstance(optim, torch.optim.SGD):
+        return ("momentum_buffer",) if optim.defaults["momentum"] else ()
+    return ("step", "exp_avg", "exp_avg_sq")
+
+
+def build_zero1_optimizer(params, optimizer: tuple[type, dict], layout, device_type: str):
+    """ZeRO stage 1: the optimizer's states (AdamW's, or --optimizer's) sharded over the data-parallel ranks; DDP
+    still all-reduces full grads. `optimizer`: (its class, its constructor's hyperparameters) (train/optim.py)."""
     group = layout.submesh("dp").get_group()
     fused = device_type == "cuda"
-    opt = _zero_optimizer_class()(params, optimizer_class=torch.optim.AdamW, process_group=group,
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+    optimizer_class, hyperparameters = optimizer
+    opt = _zero_optimizer_class()(params, optimizer_class=optimizer_class, process_group=group, **hyperparameters,
                                   fused=fused or None, foreach=None if fused else True)
     log.info("applied ZeRO-1: optimizer states sharded over %d ranks", layout.dp)
     return opt
@@ -165,7 +175,7 @@ def fsdp_mesh(layout):
     """The mesh FSDP runs over: 1-D (shard) for ZeRO-2/3, 2-D (replicate, shard) for HSDP; CP ranks shard too."""
     if not layout.fsdp:
         return None
-    if layout.dp_replicate > 1:
+    if layout.dp_replicate > 1 and not layout.semi_sync:  # --semi-sync: inside each island only
         return layout.mesh["dp_replicate", layout.fsdp_group]
     return layout.mesh[layout.fsdp_group]
 
@@ -249,13 +259,15 @@ def track_unsharded_params(model: nn.Module, mesh) -> None:
 
 
 def apply_data_parallel(model: nn.Module, layout) -> nn.Module:
-    """The last step of parallelize(): FSDP2 when the layout shards, else DDP over the replicas (and CP ranks)."""
+    """The last step of parallelize(): FSDP2 when the layout shards, else DDP over the replicas (and CP ranks);
+    under --semi-sync the same inside each island only (parallel/semi_sync/)."""
     if layout.fsdp:
         return apply_fsdp(model, fsdp_mesh(layout), reshard_after_forward=layout.zero_stage != 2,
                           mp_policy=mixed_precision_policy(layout.dtype), offload=layout.cpu_offload)
     if layout.ddp:
         # cp ranks hold replicated parameters unless FSDP shards over dp_shard_cp, so DDP averages over dp_cp
-        mesh = layout.submesh("dp_cp")
+        # (--semi-sync: over an island's cp ranks alone; Layout.ddp is then true only with cp > 1)
+        mesh = layout.submesh("cp" if layout.semi_sync else "dp_cp")
         return apply_ddp(model, mesh, mesh.device_type, comm_hook=layout.ddp_comm_hook,
                          local_sgd_period=layout.local_sgd_period, powersgd_start=layout.powersgd_start)
     return model

@@ -90,11 +90,27 @@ def gathered_once(chunks: list) -> float:
     return total
 
 
+def gathers_per_step(layout) -> tuple[int, int, bool]:
+    """(forward gathers, backward re-gathers, whether the reduce-scatter runs under a backward) of FSDP's groups
+    per step. Without a pipeline every micro-batch gathers for its forward, ZeRO-3 again for its backward, and the
+    last backward reduce-scatters as it goes. Under torch.distributed.pipelining a stage's micro-batches all run
+    without gradient sync and without resharding after their backward, and the stage reduce-scatters once after
+    its last one (PipelineStage.backward_maybe_with_nosync, perform_reduce_grad): ZeRO-2 gathers once per step;
+    ZeRO-3 reshards after each forward, so it gathers for each backward and for the warm-up's forwards only (a
+    later forward follows a backward, which left the parameters gathered)."""
+    m = layout.microbatches
+    if layout.pp <= 1:
+        return m, (m if layout.zero_stage == 3 else 0), True
+    if layout.zero_stage != 3:
+        return 1, 0, False
+    return min(m, layout.pp), m, False
+
+
 def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of, dist_optimizer: bool = False,
                        expert_share: float = 0.0) -> float:
     """Exposed seconds of the data-parallel collectives of one step on one rank (`expert_share`: the experts'
     fraction of the parameters, for --ep)."""
-    gpn, m = profile.gpu.gpus_per_node, layout.microbatches
+    gpn = profile.gpu.gpus_per_node
     grads = sum(c.tr.scalar("grads", c.layers) for c in chunks)  # local fp32 gradient bytes (unsharded)
     params = sum(c.tr.scalar("params", c.layers) for c in chunks)
     fwd = sum(c.fwd for c in chunks)
@@ -114,30 +130,31 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
         once = gathered_once(chunks) / half if layout.zero_stage == 3 else 0.0
         kept = heads + sum(c.tr.key.part == "whole" and c.tr.key.args.tie_embeddings for c in chunks)
         regroups = (groups - kept) / groups if layout.zero_stage == 3 else 0.0  # the share gathered again
+        fwd_gathers, bwd_gathers, rs_overlaps = gathers_per_step(layout)
         for i, (size, _, _, p, g) in enumerate(meshes):
-            est.add_comm("all_gather", p, size, m)
-            if layout.zero_stage == 3:
-                est.add_comm("all_gather", p - (once if i == 0 else 0.0), size, m)
+            est.add_comm("all_gather", p, size, fwd_gathers)
+            if bwd_gathers:
+                est.add_comm("all_gather", p - (once if i == 0 else 0.0), size, bwd_gathers)
             est.add_comm("reduce_scatter", g, size)
-        gathers = m * (1 + regroups)  # whole-model gathers per step, for the copies below
+        gathers = fwd_gathers + bwd_gathers * regroups  # whole-model gathers per step, for the copies below
         gathered = sum(p for *_, p, _ in meshes)
         grads = sum(g for *_, g in meshes)
         measured = [fsdp_group_costs(profile, size, where) for size, where, *_ in meshes]
         if all(c is not None for c in measured):
             exposed = 0.0
             for (gather, bwd_gather, reduce_scatter), (*_, p, g) in zip(measured, meshes):
-                exposed += m * groups * gather(p / groups) + groups * reduce_scatter(g / groups)
-                exposed += m * regroups * groups * bwd_gather(p / groups)
+                exposed += fwd_gathers * groups * gather(p / groups) + groups * reduce_scatter(g / groups)
+                exposed += bwd_gathers * regroups * groups * bwd_gather(p / groups)
             return exposed + hsdp_all_reduce(profile, layout, grads / n, est, rails_of)
         ag_first = sum(collective_time(profile, "all_gather", p / groups, size, where, rails)
                        for size, where, rails, p, _ in meshes)
         ag = ag_first * groups
         rs = sum(collective_time(profile, "reduce_scatter", g / groups, size, where, rails)
                  for size, where, rails, _, g in meshes) * groups
-        exposed = m * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
-        exposed += m * max(0.0, regroups * ag - overlap * bwd)
+        exposed = fwd_gathers * (ag_first + max(0.0, ag - ag_first - overlap * fwd))
+        exposed += bwd_gathers * max(0.0, regroups * ag - overlap * bwd)
         rs_last = rs / groups
-        exposed += rs_last + max(0.0, rs - rs_last - overlap * bwd)
+        exposed += rs_last + max(0.0, rs - rs_last - overlap * bwd) if rs_overlaps else rs
         # FSDP's own work on the host and in memory: per group, per gather and reduce-scatter, bookkeeping and
         # copies (all-gather output + copy-out; reduce-scatter copy-in + the sharded gradient)
         tensors = sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)

@@ -43,7 +43,12 @@ class DataParallel(Technique):
                     f"({r.gib(replicated)} -> {r.gib(sharded)} of model states)"]
         if lay.dp_replicate > 1:
             kind = "ZeRO-1 (optimizer state sharded)" if lay.zero_stage == 1 else "DDP"
-            return [f"{kind}: every GPU holds {r.gib(r.states(lay))} of model states"]
+            out = [f"{kind}: every GPU holds {r.gib(r.states(lay))} of model states"]
+            if lay.zero_stage == 1 and r.dist_optimizer:
+                out.append("priced as a distributed optimizer (--dist-optimizer: gradients reduce-scattered and "
+                           "parameters all-gathered once per step, overlapped); paratrain's runtime runs ZeRO-1 as "
+                           "ZeroRedundancyOptimizer")
+            return out
         return []
 
     @staticmethod
@@ -61,6 +66,11 @@ class DataParallel(Technique):
         if lay.placement(group, r.gpu.gpus_per_node) == "inter":
             return [f"data-parallel collectives cross nodes ({r.gpu.inter_node_gbs:g} GB/s per GPU)"]
         return []
+
+    def kept_gradients(self, tr, args, layout) -> tuple | None:
+        from paratrain.parallel.dp.dp_memory import kept_gradients
+
+        return kept_gradients(tr, args, layout)
 
     def shard_states(self, s, tr, args, layout, part: str, layers: int, dtype: str, notes: list[str]) -> None:
         from paratrain.parallel.dp.dp_memory import shard_states

@@ -47,11 +47,6 @@ def moe_all_to_all(profile, args, layout, seq_len: int, dtype: str, layers: int,
     return layers * (exchanges * one + metadata)
 
 
-def moe_layers_on(args, layers: int) -> int:
-    """MoE blocks among `layers` blocks of one part (the dense first blocks counted on the first part)."""
-    return max(0, layers - args.n_dense_layers) if args.moe else 0
-
-
 def expert_param_share(args) -> float:
     """The experts' fraction of the model's parameters (0 for a dense model)."""
     if not args.moe:

@@ -3,8 +3,6 @@ which every MoE run gets), what the search tries, and its token exchange's step-
 
 from __future__ import annotations
 
-import math
-
 from paratrain.parallel.ep import ep_cost
 from paratrain.parallel.technique import Technique
 
@@ -48,10 +46,10 @@ class ExpertParallel(Technique):
 
     def step_cost(self, p, chunks: list, busy: float) -> dict[str, float]:
         layout, args = p.layout, p.args
-        # the MoE blocks of one stage rank's model part (all of them without a pipeline)
-        per_part = math.ceil(args.n_layers / (layout.pp * layout.virtual_stages)) * layout.virtual_stages
-        seconds = busy * ep_cost.moe_all_to_all(p.profile, args, layout, p.seq_len, p.dtype,
-                                                ep_cost.moe_layers_on(args, per_part), p.est, p.moe_routing)
+        # the MoE blocks of the pacing stage rank's model parts (all of them without a pipeline)
+        moe_blocks = sum(c.tr.counts(c.layers)["block"] for c in chunks) if args.moe else 0
+        seconds = busy * ep_cost.moe_all_to_all(p.profile, args, layout, p.seq_len, p.dtype, moe_blocks, p.est,
+                                                p.moe_routing)
         return {"ep_comm_s": seconds} if seconds else {}
 
 

@@ -71,6 +71,9 @@ class TensorParallel(Technique):
                f"TP={lay.tp} crosses nodes at {gpu.inter_node_gbs:g} GB/s"]
         if lay.sp:
             out.append("sequence parallel keeps norms and the residual stream sharded between blocks")
+        if lay.sp and lay.compile and r.async_tp:
+            out.append("priced with async TP (--async-tp: each collective split under the partial matmuls); "
+                       "paratrain's runtime does not run async TP")
         return out
 
     def adjust_chunk(self, p, chunk) -> None:

@@ -9,6 +9,7 @@ torch.distributed.pipelining's per-micro-batch receive buffers).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from paratrain.plan.costing.compose import trace
 from paratrain.plan.tracing.trace import PhasePeak, TraceKey
 
 GIB = 2**30
+TRACED_OPTIMIZER_STATES = 2  # the trace's AdamW: two moments per parameter (training_options.optimizer_states)
 
 
 def model_state_bytes(n_params: float, dp: int, stage: int, k_optimizer: float = 12, param_bytes: float = 2,
@@ -73,8 +75,14 @@ class ChunkMemory:
     io_out: int
 
 
+def traced_shape(args: ModelArgs) -> ModelArgs:
+    """The shape a trace depends on: a model's name is not part of it (one config reached by two paths, a
+    preset under another name, share their traces)."""
+    return dataclasses.replace(args, name="")
+
+
 def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: str, device_type: str) -> TraceKey:
-    return TraceKey(args=args, part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
+    return TraceKey(args=traced_shape(args), part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
                     sp=layout.sp and layout.splits_within_layers, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
                     dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type,  # fp8: bf16 activations
                     ep=layout.ep if args.moe else 1)
@@ -91,22 +99,29 @@ class RankStates:
     grads_live: float  # gradients alive at the forward/backward peak
     extra: float  # resident buffers
     fb: PhasePeak  # the traced forward/backward peak of one micro-batch
+    acts: float = 0.0  # activations one in-flight micro-batch keeps for its backward
+    # the share of each unit's gradients the rank keeps once its backward is done (compose.py walk(); FSDP's
+    # reduce-scatter), the walk the peak and marks were read from; None: all, as traced
+    kept: tuple | None = None
 
 
 def chunk_memory(args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int, dtype: str,
-                 device_type: str, notes: list[str]) -> ChunkMemory:
+                 device_type: str, notes: list[str], optimizer_states: int = TRACED_OPTIMIZER_STATES) -> ChunkMemory:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
     P, OPT, G = (tr.scalar(n, layers) for n in ("params", "optimizer", "grads"))
-    A = tr.scalar("activations", layers)
-    fb = tr.phase("next_mb" if layout.microbatches > 1 else "first_mb", layers)
+    OPT *= optimizer_states / TRACED_OPTIMIZER_STATES  # --optimizer: the trace steps AdamW
+    kept = None
+    for technique in techniques():
+        kept = technique.kept_gradients(tr, args, layout) or kept
+    fb = tr.phase("next_mb" if layout.microbatches > 1 else "first_mb", layers, kept)
     opt = tr.phase("optimizer", layers)
     s = RankStates(params=P, optimizer=OPT, grads=G, opt_rest=max(0.0, opt.rest), grads_live=float(fb.grads),
-                   extra=0.0, fb=fb)
+                   extra=0.0, fb=fb, acts=tr.scalar("activations", layers, kept), kept=kept)
     for technique in techniques():
         technique.shard_states(s, tr, args, layout, part, layers, dtype, notes)
     P, OPT, G, opt_rest, grads_live, extra = s.params, s.optimizer, s.grads, s.opt_rest, s.grads_live, s.extra
     fb = PhasePeak(total=0, params=P, grads=grads_live, optimizer=OPT, rest=fb.rest)
-    return ChunkMemory(params=P, optimizer=OPT, grads=G, act_per_mb=A, fb=fb,
+    return ChunkMemory(params=P, optimizer=OPT, grads=G, act_per_mb=s.acts, fb=fb,
                        opt_rest=opt_rest, extra=extra, io_in=tr.io_bytes if part in ("middle", "last") else 0,
                        io_out=tr.io_bytes if part in ("first", "middle") else 0)
 
@@ -138,7 +153,7 @@ def memory_from_chunks(chunks: list[ChunkMemory], in_flight: list[int], microbat
 
 def stage_layout(args: ModelArgs, layout: Layout, seq_len: int) -> list[tuple[int, str, int]]:
     """(rank, part, layers) of every pipeline stage, split exactly as the runtime splits them."""
-    return _stage_layout(args, layout.pp, layout.virtual_stages, seq_len)
+    return _stage_layout(traced_shape(args), layout.pp, layout.virtual_stages, seq_len)
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,7 +188,7 @@ def _split(args: ModelArgs, pp: int, virtual: int, seq_len: int) -> list[tuple[i
 
 
 def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = "bf16",
-                    device_type: str = "cuda") -> MemoryEstimate:
+                    device_type: str = "cuda", optimizer_states: int = TRACED_OPTIMIZER_STATES) -> MemoryEstimate:
     """Peak bytes on the busiest rank of `layout` (device_type picks the optimizer the trainer uses): every stage
     rank's model parts (one part on one rank without a pipeline) with the micro-batches the pipeline's technique
     says it holds in flight."""
@@ -190,7 +205,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, dtype: str = 
     def chunk(part: str, layers: int, rank: int) -> ChunkMemory:
         if (part, layers) not in done:
             done[(part, layers)] = chunk_memory(args, layout, part, layers, seq_len, dtype, device_type,
-                                                notes if rank == 0 else [])
+                                                notes if rank == 0 else [], optimizer_states)
         return done[(part, layers)]
 
     for rank, items in sorted(per_rank.items()):

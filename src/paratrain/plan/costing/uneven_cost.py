@@ -98,7 +98,8 @@ class DataParallelModel:
     def memory(self, mb: int, m: int) -> float:
         if (mb, m) not in self._mem:
             j = self.job
-            self._mem[(mb, m)] = estimate_memory(j.args, self.layout(mb, m), j.seq_len, j.dtype, j.device_type).total
+            self._mem[(mb, m)] = estimate_memory(j.args, self.layout(mb, m), j.seq_len, j.dtype, j.device_type,
+                                                 j.optimizer_states).total
         return self._mem[(mb, m)]
 
     def group_time(self, i: int, mb: int, m: int) -> float:
@@ -289,7 +290,7 @@ def slowest_devices(cluster: Cluster, lay: Layout, job: Job) -> Split:
     rows = []
     for dev in cluster.devices:
         t = estimate_time(cluster.profile_for(dev), job.args, lay, job.seq_len, job.dtype, job.device_type).step_s
-        mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type).total
+        mem = estimate_memory(job.args, lay, job.seq_len, job.dtype, job.device_type, job.optimizer_states).total
         rows.append(_device_row(job, cluster, dev, t, mem))
     return Split("even", max(r["busy_s"] for r in rows), rows, layout=lay, fits=all(
         r["memory_gib"] * GIB <= _usable(job, cluster, d) for r, d in zip(rows, cluster.devices)))

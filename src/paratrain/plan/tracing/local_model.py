@@ -36,6 +36,9 @@ class CommLog:
     # pay DTensor dispatch)
     unit: str = "pre"  # the model unit running now (units.py): pre | block | head
     by_unit: dict = field(default_factory=dict)  # "unit/fwd|bwd" -> collectives issued there
+    # kinds of forward collectives whose outputs activation checkpointing keeps (activation_checkpoint.py
+    # kept_collectives): a recomputation in the backward does not issue them again
+    kept: frozenset = frozenset()
 
     def tag(self, t) -> None:
         if self.dtensor is not None and isinstance(t, torch.Tensor):
@@ -60,8 +63,9 @@ class CommLog:
 
     def add(self, kind: str, nbytes: int, group: str, mirrored: bool = False) -> None:
         """Log a collective issued now; `mirrored` ones are the backward twin of a forward collective, logged
-        when the forward runs (a recomputation in the backward issues only the forward ones again)."""
-        if not self.active or (mirrored and self.phase == "bwd"):
+        when the forward runs (a recomputation in the backward issues only the forward ones again, and not those
+        whose outputs the activation checkpointing keeps: `kept`)."""
+        if not self.active or (self.phase == "bwd" and (mirrored or kind in self.kept)):
             return
         phase = "bwd" if mirrored or self.phase == "bwd" else "fwd"
         (self.bwd if phase == "bwd" else self.fwd).append((kind, int(nbytes), group))
@@ -374,7 +378,8 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
         for block in model.layers.values():
             block.attention.attn_fn = attn
     if ac != "none":
-        from paratrain.parallel.activation_checkpoint import apply_ac
+        from paratrain.parallel.activation_checkpoint import apply_ac, kept_collectives
 
         apply_ac(model, ac)
+        log.kept = kept_collectives(ac)
     return model

@@ -87,10 +87,21 @@ def _restore_rng(state: dict) -> None:
 class CheckpointState:
     """What a checkpoint holds: model parts and their optimizers (DCP), plus JSON-able extras."""
 
-    def __init__(self, model_parts: list, optimizers: list):
-        self.model_parts, self.optimizers = model_parts, optimizers
+    def __init__(self, model_parts: list, optimizers: list, islands=None):
+        """`islands`: a --semi-sync run's view of its outer loop (parallel/semi_sync/checkpoint_state.py), which
+        decides what its checkpoints hold."""
+        self.model_parts, self.optimizers, self.islands = model_parts, optimizers, islands
 
-    def tensors(self) -> dict:
+    def tensors(self, manifest: dict | None = None) -> dict:
+        """The state dict DCP saves, or (given the manifest of the checkpoint being read) loads into."""
+        from paratrain.parallel.semi_sync.checkpoint_state import plain_view
+
+        model_sd, optim_sd = self._part_tensors()
+        if self.islands is not None:
+            return self.islands.tensors(model_sd, optim_sd, manifest)
+        return plain_view(model_sd, optim_sd, manifest)
+
+    def _part_tensors(self) -> tuple[dict, dict]:
         # Optimizer state flattened to per-parameter keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
         # the dicts of several model parts on one rank (pipeline stages) merge by update(), and each rank's
         # param groups are saved under its own FQNs (a nested "param_groups" list would be one value that
@@ -101,13 +112,18 @@ class CheckpointState:
             model_sd.update(get_model_state_dict(part, options=opts))
             if opt is not None:
                 optim_sd.update(get_optimizer_state_dict(part, opt, options=opts))
-        return {"model": model_sd, "optim": optim_sd}
+        return model_sd, optim_sd
 
     def load_tensors(self, sd: dict) -> None:
-        optim_sd = nest_optimizer_state(sd["optim"])
+        from paratrain.parallel.semi_sync.checkpoint_state import plain_parts
+
+        model_sd, optim_sd = self.islands.load(sd) if self.islands is not None else plain_parts(sd)
+        optim_sd = nest_optimizer_state(optim_sd)
         for part, opt in zip(self.model_parts, self.optimizers):
-            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
-            if opt is not None:
+            set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+            # no state at all (SGD without momentum) is nothing to load, and torch would take the empty state for an
+            # id-keyed one and refuse the per-parameter groups; the hyperparameters come from the run's config
+            if opt is not None and optim_sd["state"]:
                 set_optimizer_state_dict(part, opt, optim_sd)
 
 
@@ -313,6 +329,12 @@ def _manifest_problem(manifest, confined_name) -> str | None:
         return "'extra.data.step' is not a data position (an integer in 0..2**40)"
     if data.get("stream") is not None and not is_stream_state(data["stream"]):
         return "'extra.data.stream' is not a document-stream position (draws, positions, carry, tokens_drawn)"
+    if extra.get("semi_sync") is not None:  # a --semi-sync run's outer loop (parallel/semi_sync/checkpoint_state.py)
+        from paratrain.parallel.semi_sync.checkpoint_state import record_problem
+
+        problem = record_problem(extra["semi_sync"])
+        if problem:
+            return problem
     if not isinstance(manifest.get("model", {}), dict):
         return "'model' is not a mapping"
     source = manifest.get("model_source", {})
@@ -391,7 +413,7 @@ def load(path: Path, state: CheckpointState, fingerprint: str, model: dict | Non
         changes = _model_changes(manifest.get("model") or {}, model) if model else "fingerprint differs"
         raise UserError(f"checkpoint {path} was saved for a different model config ({changes}); "
                         "use another --ckpt-dir or --resume never")
-    sd = state.tensors()
+    sd = state.tensors(manifest)
     try:
         dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(path),
                  planner=SafeLoadPlanner())

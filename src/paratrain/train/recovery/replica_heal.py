@@ -4,7 +4,8 @@ Each replica is a process of its own with a whole copy of the model. Every step 
 a quorum (the replicas alive now), averages its gradients over that quorum, and commits the optimizer step only if
 every member finished the step. A replica that is behind the quorum (a replacement that just started) receives the
 weights, the optimizer state, the step and the skipped-sample count from a live peer over torchft's checkpoint
-transport, never from disk, and reads its data from the step it joined at.
+transport (over the replicas' process group: replica_transport.py), never from disk, and reads its data from the
+step it joined at.
 """
 
 from __future__ import annotations
@@ -185,8 +186,11 @@ def make_manager(device_type: str, index: int, lighthouse: str, timeout_s: float
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     timeout = timedelta(seconds=timeout_s)
     group = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    # a joiner receives its peer's state over this same group (torchft's process-group transport): no server of its
+    # own, where torchft's default HTTP transport would listen on every interface
+    transport = peer_checkpoint_transport(group, timeout, torch.device(device_type))
     manager = Manager(pg=group, load_state_dict=None, state_dict=None, min_replica_size=1, use_async_quorum=False,
-                      checkpoint_transport=peer_checkpoint_transport(timeout),
+                      checkpoint_transport=transport,
                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
                       store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
                       replica_id=f"replica{index}", hostname="127.0.0.1", init_sync=False)

@@ -42,6 +42,7 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     )
     from paratrain.train.runtime import init_runtime
     from paratrain.train.trainer import Trainer
+    from paratrain.train.worker import start_flight_recorder
 
     index, count, attempt = replica_identity()
     cfg = TrainConfig(**json.loads(Path(cfg_path).read_text()))
@@ -50,6 +51,10 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     if index != 0 and (cfg.ckpt_dir or cfg.ckpt_every):  # all resume from the run's checkpoints; replica 0 saves
         run_checkpoints = cfg.ckpt_dir or str(Path(summary_path).parent.parent / "checkpoints")
         cfg = cfg.model_copy(update={"ckpt_every": 0, "ckpt_dir": run_checkpoints})
+    # this process's black box (train/recovery/flight_recorder.py), before any process group exists: under its own
+    # output directory (RUNDIR for replica 0's first process, else RUNDIR/replicas/rI-aA), hang/rank-INDEX.json
+    recorder = start_flight_recorder(index, run_dir, cfg.timeout_s, torch_dumps=False) if cfg.flight_recorder \
+        else None
     rt = init_runtime(cfg.device, cfg.timeout_s)
     out = Path(run_dir)
     trainer = Trainer(cfg, rt, out, quiet=index != 0, data_shard=(index, count))
@@ -61,15 +66,30 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
         write_json(joined, {"replica": index, "attempt": attempt, **healed_at})
 
     together = None if attempt else (lambda: wait_for_peers(state_dir / "barrier", index, count, cfg.timeout_s))
-    healer = ReplicaHealer(trainer, manager, index, count, on_heal=record_heal, replacement=attempt > 0,
-                           before_first_step=together)
     try:
+        if cfg.semi_sync:  # an island: it meets the others only at its syncs (island_heal.py)
+            from paratrain.train.recovery.island_heal import IslandHealer
+
+            healer = IslandHealer(trainer, manager, index, count, on_heal=record_heal)
+            if attempt:
+                healer.join()
+            else:
+                together()
+        else:
+            healer = ReplicaHealer(trainer, manager, index, count, on_heal=record_heal, replacement=attempt > 0,
+                                   before_first_step=together)
         summary = trainer.fit()
     except NoPeerToJoin as exc:
         log.warning("%s; this replacement stops", exc)
         return EXIT_NO_PEER
+    except BaseException:
+        if recorder is not None:  # what it wrote stays, for `paratrain doctor --hang`
+            recorder.detach()
+        raise
     finally:
         manager.shutdown(wait=False)
+    if recorder is not None:
+        recorder.close()
     summary.update(healer.summary(), replica=index, attempt=attempt, pid=os.getpid())
     write_json(Path(summary_path), summary)
     del store
@@ -97,6 +117,8 @@ def main(argv: list[str]) -> int:
                         stream=sys.stderr, force=True)
     # a healing replica's copy arrives in a read-only buffer that torch wraps, warning once; it is copied in
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    # torchft's transport rebuilds the state's tree through torch's pytree, which warns on the LeafSpec name it uses
+    warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # their per-step lines
         logging.getLogger(name).setLevel(logging.CRITICAL)  # a failed step is reported by replica_heal.py
     try:
