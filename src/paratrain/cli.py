@@ -22,6 +22,7 @@ import typer
 from paratrain.cli_options import OptionSpec, run_options, shared_run_options, with_options
 from paratrain.errors import CheckFailed, UserError
 from paratrain.parallel.dims import all_dims
+from paratrain.plan.passed_on import PASSED_ON
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make the right parallel strategy easy, provable and fast.")
@@ -402,6 +403,8 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     RUN["compile"].param(annotation=bool, default=False, flags=("--compile",)),
     RUN["optimizer"].noting("sizes its state").param(annotation=Optional[str]),
     RUN["momentum"].noting("sgd with momentum keeps one state per parameter, without none").param(),
+    *[RUN[name].noting("prices nothing; passed on to the candidates' train commands").param()
+      for name in PASSED_ON],
     ("top", int, typer.Option(10, "--top", help="candidates to list")),
     ("search", str, typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
                                                           "every layout)")),
@@ -438,11 +441,14 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
 def plan(plan_opts: dict = None):
     """Predict memory and step time of every strategy for a model on a cluster, rank them, say why."""
     setup_cli_logging()
+    from paratrain.plan.passed_on import passed_on_flags
     from paratrain.plan.plan_cli import build_plan_inputs, format_plan
     from paratrain.plan.request import PlanRequest
 
     as_json = plan_opts.pop("as_json")
+    passed = {name: plan_opts.pop(name) for name in PASSED_ON}
     request = PlanRequest.of(plan_opts)
+    request = request.replace(train_flags=passed_on_flags(passed, request.dtype, request.optimizer, request.momentum))
     if request.calibrate:
         from paratrain.calibrate.save_profile import (
             calibrate_and_save,  # only here: it imports the training stack

@@ -266,6 +266,22 @@ def test_the_planner_sizes_optimizer_state_by_the_optimizer_and_repeats_it_in_th
         build_plan_inputs({"model": "tiny", "gpu": "h100-sxm", "gpus": 2, "optimizer": "adam", "momentum": 0.5})
 
 
+def test_plan_takes_every_training_option_checks_it_and_passes_it_on_to_the_candidates_command(cli_here):
+    """The options that price nothing (schedule, clipping, betas, ...) are plan flags too: checked as train checks
+    them and repeated in each candidate's command, so the candidate trains as asked; the prediction is the same."""
+    base = ["plan", "--model", "tiny", "--gpu", "h100-sxm", "--gpus", "2", "--top", "1", "--json"]
+    plain = cli_here(*base)
+    given = cli_here(*base, "--grad-clip", "0", "--lr-schedule", "linear", "--warmup-steps", "3", "--betas",
+                     "0.8,0.9", "--weight-decay", "0.1")
+    assert plain.returncode == 0 and given.returncode == 0, given.stderr
+    before, after = plain.json()["candidates"][0], given.json()["candidates"][0]
+    assert after["command"] == before["command"] + (" --betas 0.8,0.9 --weight-decay 0.1 --grad-clip 0.0 "
+                                                    "--lr-schedule linear --warmup-steps 3")
+    assert (after["memory_gib"], after["step_time_s"]) == (before["memory_gib"], before["step_time_s"])
+    bad = cli_here(*base, "--lr-schedule", "wavy")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "lr_schedule" in bad.stderr
+
+
 class OneRankDataParallel:
     """The part of a Layout ZeRO-1 reads: its data-parallel group (here the one-rank world) and size."""
 

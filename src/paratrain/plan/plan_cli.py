@@ -156,7 +156,7 @@ def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, d
     device = "cpu" if hw.gpu.name == "cpu" else "cuda"
     job = Job(args=args, model_name=name, gpus=r.gpus, seq_len=seq, global_batch=batch, dtype=dtype,
               hf_config=r.hf_config, compile=bool(r.compile), device_type=device, counts=counts, **priced_schemes(r),
-              **optimizer_choice(r))
+              train_flags=r.train_flags, **optimizer_choice(r))
     return job, hw, fixed_choices(r), cluster
 
 

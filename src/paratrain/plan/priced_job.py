@@ -21,6 +21,9 @@ class Job:
     mem_reserve: float = 0.08  # fraction of device memory kept free: allocator fragmentation, CUDA context
     optimizer: str = "adamw"  # --optimizer and --momentum: how much optimizer state each parameter keeps
     momentum: float = 0.0
+    # the other training options given to plan (--grad-clip, --lr-schedule, ...): they price nothing, and a
+    # candidate's command passes them on to train
+    train_flags: tuple[str, ...] = ()
     hf_config: str | None = None  # the model came from this config.json (not a preset)
     counts: ModelCounts | None = None  # the parameters transformers builds from that config (inputs/hf_count.py)
     compile: bool = False  # torch.compile (time model: fused memory-bound ops)
@@ -46,7 +49,7 @@ class Job:
     def optimizer_flags(self) -> list[str]:
         """The train flags of a non-default optimizer (a candidate's command repeats them)."""
         flags = [] if self.optimizer == "adamw" else ["--optimizer", self.optimizer]
-        return flags + (["--momentum", f"{self.momentum:g}"] if self.momentum else [])
+        return flags + (["--momentum", f"{self.momentum:g}"] if self.momentum else []) + list(self.train_flags)
 
     def model_flags(self) -> list[str]:
         """How `paratrain train` names this model: the preset, or (hf:) the config file it was read from."""

@@ -35,6 +35,7 @@ class PlanRequest:
     compile: bool = False
     optimizer: str | None = None  # --optimizer, --momentum: the optimizer state the memory holds (None: adamw, 0)
     momentum: float | None = None
+    train_flags: tuple[str, ...] = ()  # training options passed on to the candidates' commands (plan/passed_on.py)
     # schemes the cost model prices that paratrain's runtime does not run (plan/priced_job.py Job)
     dist_optimizer: bool = False
     async_tp: bool = False
