@@ -25,10 +25,7 @@ from typing import Literal, Optional
 import typer
 
 from paratrain.config import CONFIG_ONLY, TRAIN_ONLY, TrainConfig
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from paratrain.errors import flag_of
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def flag_of(name: str) -> str:
+    """The command-line flag of a config field, as errors and commands name it: `seq_len` -> `--seq-len`."""
+    return "--" + name.replace("_", "-")
+
+
 class UserError(Exception):
     """Bad input from the user (config, CLI, files, checkpoints). Exit code 2, no traceback."""
 

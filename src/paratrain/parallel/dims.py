@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, flag_of
 from paratrain.parallel.cp.cp_technique import CONTEXT_PARALLEL
 from paratrain.parallel.dp.dp_technique import DATA_PARALLEL
 from paratrain.parallel.ep.ep_technique import EXPERT_PARALLEL
@@ -47,7 +47,7 @@ class Dim:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
     @property
     def world_factor(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, flag_of
 from paratrain.parallel.layout import DEGREE_NAMES, DIM_NAMES, Layout
 from paratrain.parallel.strategy_table import STRATEGY_TABLE, Strategy
 
@@ -253,7 +253,7 @@ def train_args(layout: Layout, seq_len: int, global_batch: int) -> list[str]:
     fields.update(seq_len=seq_len, global_batch=global_batch, **tail)
     args: list[str] = []
     for key, value in fields.items():
-        flag = "--" + key.replace("_", "-")
+        flag = flag_of(key)
         if isinstance(value, bool):  # --compile only when on; --sp / --no-sp said outright beside a tp degree
             args += [flag] if value else ([f"--no-{flag[2:]}"] if key == "sp" else [])
         elif value is not None:

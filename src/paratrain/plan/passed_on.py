@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, flag_of
 
 PASSED_ON = ("betas", "eps", "weight_decay", "grad_clip", "lr_schedule", "warmup_steps", "min_lr",
              "loss_scale_init", "loss_scale_window")
@@ -26,4 +26,4 @@ def passed_on_flags(given: dict, dtype: str, optimizer: str | None, momentum: fl
         TrainConfig(dtype=dtype, **optim, **chosen)
     except ValidationError as exc:
         raise UserError(format_validation_error(exc)) from None
-    return tuple(part for k in PASSED_ON if k in chosen for part in ("--" + k.replace("_", "-"), f"{chosen[k]}"))
+    return tuple(part for k in PASSED_ON if k in chosen for part in (flag_of(k), f"{chosen[k]}"))

@@ -9,16 +9,12 @@ meeting.
 
 from __future__ import annotations
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, flag_of
 from paratrain.parallel.semi_sync.semi_sync_options import SemiSyncFields
 
 # the options that only mean something under --semi-sync, and the defaults they take without it
 _SEMI_SYNC_ONLY = tuple(name for name in SemiSyncFields.model_fields if name != "semi_sync")
 _STREAMING_ONLY = ("fragments", "fragment_delay")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def check_semi_sync(cfg, layout) -> None:
@@ -28,7 +24,7 @@ def check_semi_sync(cfg, layout) -> None:
         given = [n for n in _SEMI_SYNC_ONLY if n in cfg.model_fields_set
                  and getattr(cfg, n) != SemiSyncFields.model_fields[n].default]
         if given:
-            raise UserError(f"{_flag(given[0])} is an option of semi-synchronous training: add --semi-sync diloco "
+            raise UserError(f"{flag_of(given[0])} is an option of semi-synchronous training: add --semi-sync diloco "
                             f"or --semi-sync streaming-diloco")
         return
     flag = f"--semi-sync {method}"
@@ -56,7 +52,7 @@ def check_semi_sync(cfg, layout) -> None:
     if method == "diloco":
         for name in _STREAMING_ONLY:
             if getattr(cfg, name) != SemiSyncFields.model_fields[name].default:
-                raise UserError(f"{_flag(name)} is an option of --semi-sync streaming-diloco (diloco syncs every "
+                raise UserError(f"{flag_of(name)} is an option of --semi-sync streaming-diloco (diloco syncs every "
                                 f"parameter at once)")
     fragments, every, delay = cfg.fragments, cfg.sync_every, cfg.fragment_delay
     if every % fragments:
