@@ -12,7 +12,8 @@ published, the error of each and the mean absolute error.
 A case whose published scheme paratrain's runtime cannot run (`runtime_unsupported`: why) is still priced as
 published, and marked `*`: a check of the cost model, not a plannable layout. Such schemes are `plan` flags the
 time model prices for any layout: --dist-optimizer (ZeRO-1 as Megatron's distributed optimizer, overlapped),
---async-tp (TP collectives under the matmuls; with --compile), --moe-routing and a board's --mem-bw-gbs.
+--async-tp (TP collectives under the matmuls; with --compile), --half-weights (16-bit weights, fp32 masters and
+gradients accumulated in the weight-gradient GEMMs, as Megatron runs), --moe-routing and a board's --mem-bw-gbs.
 `framework` names the software the run used: memory errors are also printed per framework, since only
 torchtitan holds memory as paratrain's runtime does.
 
@@ -134,6 +135,7 @@ def plan_flags(case: dict, micro_batch: int | None = None) -> list[str]:
     flags += ["--compile"] if case.get("compile") else []
     flags += ["--dist-optimizer"] if case.get("dist_optimizer") else []
     flags += ["--async-tp"] if case.get("async_tp") else []
+    flags += ["--half-weights"] if case.get("half_weights") else []
     flags += ["--moe-routing", case["moe_routing"]] if case.get("moe_routing") else []
     # a board variant the source describes (torchtitan's 96 GB HBM2e H100s): its stated memory size and bandwidth
     flags += ["--mem-gib", str(case["gpu_mem_gib"])] if case.get("gpu_mem_gib") else []

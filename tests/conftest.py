@@ -82,20 +82,37 @@ def ckpt_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def two_ranks(tmp_path_factory, ckpt_dir):
+def eval_ckpts(tmp_path_factory):
+    """tests/infer/eval_worker.py's checkpoints: saved by the 2-rank group, evaluated by both groups."""
+    return tmp_path_factory.mktemp("eval-ckpts")
+
+
+@pytest.fixture(scope="session")
+def generate_ckpts(tmp_path_factory):
+    """tests/infer/generate_worker.py's checkpoints: trained by the 2-rank group, generated from by both groups."""
+    return tmp_path_factory.mktemp("generate-ckpts")
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory, ckpt_dir, eval_ckpts, generate_ckpts):
     spec = {"verify": VERIFY[2], "comm": True, "ckpt_save": str(ckpt_dir),
             "approx": {"steps": APPROX_STEPS, "runs": APPROX_RUNS},
             # the 2-rank checks of tests/parallel's pipeline_checks.py, uneven_worker.py, tp_parity_worker.py and
             # tests/train's val_worker.py, reshard_worker.py
             "pipeline": {"ckpt_dir": str(tmp_path_factory.mktemp("pp-ckpt"))}, "uneven": True, "tp_parity": True,
-            "validation": True, "reshard": str(tmp_path_factory.mktemp("reshard"))}
+            "validation": True, "reshard": str(tmp_path_factory.mktemp("reshard")),
+            "kv_cache": True,  # tests/infer/kv_cache_worker.py's
+            "infer_eval": str(eval_ckpts),  # tests/infer/eval_worker.py's
+            "generate": str(generate_ckpts)}  # tests/infer/generate_worker.py's
     return launch(2, spec, tmp_path_factory.mktemp("dp2"), timeout=500)
 
 
 @pytest.fixture(scope="session")
-def four_ranks(tmp_path_factory, two_ranks, ckpt_dir):
+def four_ranks(tmp_path_factory, two_ranks, ckpt_dir, eval_ckpts, generate_ckpts):
     spec = {"verify": VERIFY[4], "ckpt_load": str(ckpt_dir), "pipeline": {"ckpt_dir": None}, "cp_parity": True,
             "moe": True,  # tests/moe/moe_worker.py's checks
-            "semi_sync": str(tmp_path_factory.mktemp("semi-sync"))}  # tests/parallel/semi_sync_worker.py's
+            "semi_sync": str(tmp_path_factory.mktemp("semi-sync")),  # tests/parallel/semi_sync_worker.py's
+            "infer_eval": str(eval_ckpts),  # tests/infer/eval_worker.py's (the 2-rank group's checkpoint)
+            "generate": str(generate_ckpts)}  # tests/infer/generate_worker.py's (the 2-rank group's checkpoints)
     return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=500)
 

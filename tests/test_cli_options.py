@@ -9,7 +9,7 @@ from paratrain.parallel.dims import all_dims
 from support.cli_surface import surface
 
 # an option that means something else in this command than the run option of its name (its help says what)
-OWN_MEANING = {("export", "dtype"), ("export", "out"), ("data prepare", "out"), ("data tokenizer", "out"),
+OWN_MEANING = {("export", "dtype"), ("export", "out"), ("generate", "out"), ("generate", "seed"), ("data prepare", "out"), ("data tokenizer", "out"),
                ("data tokenizer", "vocab_size")}
 
 

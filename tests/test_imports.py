@@ -1,5 +1,5 @@
 """Imports go one way: no import circle between files of src/, and packages only import those below them
-(cli -> bench/doctor/launchers/verify/convert -> calibrate -> plan -> train -> parallel -> models), as docs/architecture.md
+(cli -> bench/doctor/launchers/verify/convert -> calibrate -> plan -> infer -> train -> parallel -> models), as docs/architecture.md
 says; no module reaches a leading-underscore name of another paratrain module; no string names another
 package's code; nothing reads or patches a private attribute it does not own, nor issues a torch.distributed
 collective around the collective door, beyond the allow-lists below, each entry with its reason. Walks the
@@ -14,7 +14,7 @@ import source_rules
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
-LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config", "config_markers", "training_options"}, {"train"}, {"plan"}, {"calibrate"},
+LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config", "config_markers", "training_options"}, {"train"}, {"infer"}, {"plan"}, {"calibrate"},
           {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "cli_options", "env_report", "api", "__init__"}]
 
 

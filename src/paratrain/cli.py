@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 
 from paratrain.cli_options import OptionSpec, run_options, shared_run_options, with_options
-from paratrain.errors import CheckFailed, UserError
+from paratrain.errors import CheckFailed, UserError, flag_of
 from paratrain.parallel.dims import all_dims
 from paratrain.plan.passed_on import PASSED_ON
 
@@ -185,13 +185,57 @@ def _holds_nothing_new(run_dir: Path) -> bool:
     return not entries and (metrics is None or (metrics.is_file() and metrics.stat().st_size == 0))
 
 
+# -- generate options (generate, verify --generate) ----------------------------------------------------------------
+PROMPT = OptionSpec("prompt", Optional[str], "one prompt, as text (needs the checkpoint's tokenizer)")
+PROMPTS = OptionSpec("prompts", Optional[Path], 'a JSON Lines file, one prompt a line: {"text": ...} or {"ids": [...]}')
+MAX_NEW_TOKENS = OptionSpec("max_new_tokens", int, "tokens to generate per prompt", default=32)
+TEMPERATURE = OptionSpec("temperature", Optional[float], "sample at this temperature (default 0: greedy)")
+TOP_K = OptionSpec("top_k", Optional[int], "sample among the K likeliest tokens (needs --temperature > 0)")
+TOP_P = OptionSpec("top_p", Optional[float], "sample among the likeliest tokens that hold P of the probability "
+                                            "(needs --temperature > 0)")
+SAMPLING_SEED = OptionSpec("seed", Optional[int], "sampling seed: prompt i draws from its own stream of (seed, i)")
+BATCH_SIZE = OptionSpec("batch_size", int, "prompts of one length per forward, on each data-parallel rank",
+                        default=16)
+KV_CACHE = OptionSpec("kv_cache", bool, "keep keys and values across steps (--no-kv-cache: the whole sequence "
+                                        "each step)", default=True, flags=("--kv-cache/--no-kv-cache",))
+GENERATE_OPTIONS = [PROMPT.param(), PROMPTS.param(), MAX_NEW_TOKENS.param(), TEMPERATURE.param(), TOP_K.param(),
+                    TOP_P.param(), SAMPLING_SEED.param(), BATCH_SIZE.param(), KV_CACHE.param()]
+SOURCE_HELP = "a checkpoint step-N/ directory, a --ckpt-dir (its newest complete step), or hf:DIR (a transformers " \
+              "model directory)"
+# verify --generate: the run's --seed also seeds the sampling
+VERIFY_GENERATE_OPTIONS = [
+    ("generate", bool, typer.Option(False, "--generate", help="compare generation instead of training: the same "
+                                                              "prompts on one device and on this layout")),
+    ("source", Optional[str], typer.Option(None, "--source", help=SOURCE_HELP + " (with --generate; default: the "
+                                                                                "model at its --seed's initial weights)")),
+    *(p for p in GENERATE_OPTIONS if p[0] != "seed")]
+
+
+def generate_options(opts: dict):
+    """(the GenerateOptions of generate's own flags, popped from `opts`; --prompt; --prompts)."""
+    from paratrain.infer.generate import GenerateOptions
+    from paratrain.infer.sampling import Sampling
+
+    sampling = Sampling.of(opts.pop("temperature"), opts.pop("top_k"), opts.pop("top_p"), opts.pop("seed"))
+    options = GenerateOptions(opts.pop("max_new_tokens"), sampling, opts.pop("batch_size"), opts.pop("kv_cache"))
+    return options, opts.pop("prompt"), opts.pop("prompts")
+
+
 # -- verify --------------------------------------------------------------------------------------------------------
 @app.command()
 @with_train_options
-def verify(steps: int = RUN["steps"](default=5), as_json: bool = AS_JSON(), train_opts: dict = None):
+@with_options(VERIFY_GENERATE_OPTIONS, "gen_opts")
+def verify(steps: int = RUN["steps"](default=5), as_json: bool = AS_JSON(), gen_opts: dict = None,
+           train_opts: dict = None):
     """Prove a parallel run matches a single-device run, every step and every rank (loss, grad norm,
-    gradients before clipping, parameters, activations); on a mismatch, say where it first diverges."""
+    gradients before clipping, parameters, activations); on a mismatch, say where it first diverges.
+    With --generate: the same prompts generated on one device and on the layout, token for token."""
     setup_cli_logging()
+    if gen_opts.pop("generate"):
+        return verify_generation(gen_opts, train_opts, as_json)
+    stray = [name for name, _, option in VERIFY_GENERATE_OPTIONS if gen_opts.get(name, option.default) != option.default]
+    if stray:
+        raise UserError(f"{flag_of(stray[0])} applies to verify --generate only")
     cfg = resolve_config(train_opts, steps=steps)
     refuse_replica_healing(cfg, "verify", "it compares one run with one device; drop the option")
     from paratrain.train.launch import run_workers
@@ -217,6 +261,80 @@ def verify(steps: int = RUN["steps"](default=5), as_json: bool = AS_JSON(), trai
         emit_json(result)
     if not result["passed"]:
         raise typer.Exit(1)
+
+
+def verify_generation(gen_opts: dict, train_opts: dict, as_json: bool):
+    """verify --generate (verify/generate_parity.py): exit 1 on a real mismatch, near-ties reported."""
+    from paratrain.infer.generate_run import default_prompts, prepare_job
+    from paratrain.infer.prompts import read_prompts
+    from paratrain.infer.source_loader import resolve_source
+    from paratrain.verify.generate_parity import report_lines, run_verify_generate
+
+    source = gen_opts.pop("source")
+    options, prompt, prompts = generate_options({**gen_opts, "seed": train_opts.get("seed")})
+    cfg = resolve_source(source, train_opts) if source else resolve_config(train_opts)
+    refuse_replica_healing(cfg, "verify", "it compares one run with one device; drop the option")
+    raw = read_prompts(prompt, prompts) if prompt is not None or prompts is not None else default_prompts(cfg)
+    report = run_verify_generate(cfg, prepare_job(cfg, raw, options))
+    if report is None:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    for line in report_lines(report):
+        log.info("%s", line)
+    if as_json:
+        emit_json(report)
+    if not report["passed"]:
+        raise typer.Exit(1)
+
+
+# -- eval ----------------------------------------------------------------------------------------------------------
+@app.command("eval")
+@with_train_options
+def eval_source(source: str = typer.Argument(..., help=SOURCE_HELP),
+                as_json: bool = AS_JSON(), train_opts: dict = None):
+    """Loss and perplexity of a checkpoint (or hf:DIR) on held-out data, per source for mixtures, under any layout
+    (default: the one it was saved under): --val-data V, --data D's --val-fraction F, or all of --data D
+    (docs/inference.md)."""
+    setup_cli_logging()
+    from paratrain.infer.eval_run import eval_config, run_eval
+
+    cfg = eval_config(source, train_opts)
+    refuse_replica_healing(cfg, "eval", "it trains nothing; drop the option")
+    doc = run_eval(cfg)
+    if doc is None:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    mixed = len(doc["per_source"]) > 1
+    sources = "".join(f"; {name}: {v['loss']:.4f}" for name, v in doc["per_source"].items() if mixed)
+    log.info("eval %s: loss %.4f, perplexity %.3f over %s tokens%s", doc["checkpoint"], doc["loss"],
+             doc["perplexity"], f"{doc['tokens']:,}", sources)
+    if as_json:
+        emit_json(doc)
+
+
+# -- generate ------------------------------------------------------------------------------------------------------
+@app.command()
+@with_train_options
+@with_options(GENERATE_OPTIONS, "gen_opts")  # inside: its --seed is the sampling seed, not train's
+def generate(source: str = typer.Argument(..., help=SOURCE_HELP),
+             out: Optional[Path] = typer.Option(None, "--out", help="write the outputs here as JSON Lines"),
+             as_json: bool = AS_JSON(), gen_opts: dict = None, train_opts: dict = None):
+    """Generate text (or token ids) from a checkpoint under any layout: prompts split over the data-parallel ranks,
+    tensor and expert parallel, greedy or sampled (docs/inference.md)."""
+    setup_cli_logging()
+    from paratrain.infer.generate_run import prepare_job, run_generate, summary_line, write_outputs
+    from paratrain.infer.prompts import read_prompts
+    from paratrain.infer.source_loader import resolve_source
+
+    options, prompt, prompts = generate_options(gen_opts)
+    cfg = resolve_source(source, train_opts)
+    refuse_replica_healing(cfg, "generate", "it trains nothing; drop the option")
+    doc = run_generate(cfg, prepare_job(cfg, read_prompts(prompt, prompts), options))
+    if doc is None:
+        return  # a non-zero rank under torchrun/srun: rank 0 reports
+    if out is not None:
+        write_outputs(out, doc)
+    log.info("%s", summary_line(doc))
+    if as_json:
+        emit_json(doc)
 
 
 # -- export / data prepare -----------------------------------------------------------------------------------------
@@ -429,6 +547,9 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
                                                                           "(Megatron-Core's, overlapped)")),
     ("async_tp", bool, typer.Option(False, "--async-tp", help="price TP collectives overlapped with the matmuls "
                                                               "(torch's async TP; needs --compile and SP)")),
+    ("half_weights", bool, typer.Option(False, "--half-weights", help="price weights held in the compute dtype "
+                                        "with fp32 masters in the optimizer and gradients accumulated by the "
+                                        "weight-gradient GEMMs (Megatron's): no per-micro-batch casts")),
     ("moe_routing", str, typer.Option("random", "--moe-routing", help="random (a trained router) | consecutive "
                                                                       "(NeMo's balanced benchmark gate): --ep's "
                                                                       "exchange")),

@@ -105,6 +105,41 @@ def test_missing_or_extra_parameters_fail():
     assert judge(compare_step(ref, [extra]), ref, tol)["grads"] is False
 
 
+def test_parameters_whose_gradient_is_rounding_are_set_aside_and_a_fault_is_still_caught():
+    """DeepSeek-V4's first hyper-connection (4 identical streams into a scale-free RMSNorm) has 83% of its weight's
+    gradient at rounding level (fp64: 1e-10 and 1e-27 beside 7e-4): Adam moves each such element by up to ~lr with
+    the sign rounding gives it, so another summation order lands 1.6% of the update away. Such elements (the
+    tensor's gradient within grad_rtol, the element's off by more than half) leave the parameter check; the rest,
+    and elements whose gradient is exactly 0 in both runs, stay in it."""
+    tol = Tolerance.for_dtype("fp32")
+    g_ref = torch.tensor([[1e-3, 1e-3, 1e-10, 0.0]] * 4)  # column 2: rounding; column 3: no gradient at all
+    p_ref = torch.zeros(4, 4)
+    ref = {"loss": 2.0, "grad_norm": 1.0, "grads": {"w": g_ref}, "params": {"w": p_ref}, "update": {"w": 0.1},
+           "acts": None}
+
+    def run(grad_col2: float, param_change: tuple[int, int, float]) -> dict:
+        g, p = g_ref.clone(), p_ref.clone()
+        g[:, 2] = grad_col2
+        p[param_change[:2]] += param_change[2]
+        return {"loss": 2.0, "grad_norm": 1.0, "grads": {"w": g}, "params": {"w": p}, "acts": None}
+
+    rounded = run(-2e-10, (0, 2, 0.02))  # the sign flipped by rounding: Adam moved it 20% of the update
+    assert judge(compare_step(ref, [rounded]), ref, tol)["params"] is False  # compared as before: fails
+    set_aside: dict = {}
+    err = compare_step(ref, [rounded], set_aside, tol.grad_rtol)
+    assert judge(err, ref, tol) == {"loss": True, "activations": True, "grads": True, "params": True}
+    assert set_aside[(0, "w")][:, 2].all() and int(set_aside[(0, "w")].sum()) == 4  # that column only
+    # the set-aside elements stay out at later steps; the rest, and the gradient-free column, are still compared
+    for fault in ((1, 0, 0.005), (2, 3, 0.005)):
+        err = compare_step(ref, [run(-2e-10, fault)], set_aside, tol.grad_rtol)
+        assert judge(err, ref, tol)["params"] is False and err["params"][0][0] == pytest.approx(0.05), fault
+    # gradients off by more than grad_rtol set nothing aside: the parameters are judged whole
+    doubled = run(2e-10, (0, 2, 0.02))
+    doubled["grads"]["w"] *= 2
+    fresh: dict = {}
+    assert judge(compare_step(ref, [doubled], fresh, tol.grad_rtol), ref, tol)["params"] is False and not fresh
+
+
 def test_low_precision_tolerance_is_the_floor_times_the_multiple():
     floor = {"loss": 1e-4, "grad_norm": 1e-3, "grad": 1e-2, "param": 1e-1, "act": 1e-9}
     tol = Tolerance.from_floor(floor, multiple=4)

@@ -40,6 +40,8 @@ CASES = [
     *[{"id": f"{kind}-{name}", "kind": kind, **fields} for kind in KINDS + SHAPE_KINDS
       for name, fields in LAYOUTS.items()],
     {"id": "qwen2_moe-tp2", "kind": "qwen2_moe", "strategy": "tp"},
+    # an indexer the language-model loss never reaches (no gradient): DDP finds such parameters each step
+    {"id": "dots3_note_text-ddp", "kind": "dots3_note_text", "strategy": "ddp"},
     # a pipeline's stages name the layers as the whole model does; with 2 micro-batches per step a layer's last
     # forward is not the batch, so routing is not compared (None), with one it is
     {"id": "qwen3_moe-pp2", "kind": "qwen3_moe", "strategy": "pp", "pp": 2},

@@ -48,7 +48,7 @@ def write_configs(root: Path) -> None:
         "olmoe": transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                           eos_token_id=0, pad_token_id=1),
     }
-    for kind in ("gpt_oss", "deepseek_v3", "qwen2_moe"):  # the rule's tiny configs (interop/hf_tiny_config.py)
+    for kind in ("gpt_oss", "deepseek_v3", "qwen2_moe", "dots3_note_text"):  # interop/hf_tiny_config.py's rule
         configs[kind] = tiny_config(kind)
     for kind, config in configs.items():
         config.save_pretrained(root / kind)
@@ -99,6 +99,7 @@ def test_hf_moe_ep_tp_zero3_planted_faults_and_export(tmp_path):
             assert r["passed"] and r["expert_assignments_match"] is True, r
             assert all(r["dims"][k] == v for k, v in dims.items()), r
     assert results["qwen2_moe-tp2"]["passed"] and results["qwen2_moe-tp2"]["expert_assignments_match"] is True
+    assert results["dots3_note_text-ddp"]["passed"], results["dots3_note_text-ddp"]  # gradient-free indexer
     pipelined, one_micro_batch = results["qwen3_moe-pp2"], results["qwen3_moe-pp2-gpipe1"]
     assert pipelined["passed"] and pipelined["expert_assignments_match"] is None, pipelined
     assert one_micro_batch["passed"] and one_micro_batch["expert_assignments_match"] is True, one_micro_batch
@@ -188,6 +189,23 @@ def test_hf_experts_forward_is_transformers_own(tmp_path):
             ours = model(TOKENS)
             model.hf.set_experts_implementation("eager")
             torch.testing.assert_close(model(TOKENS), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_expert_the_plan_leaves_out_is_split_as_the_dense_mlp(tmp_path):
+    """Qwen2-MoE's tp plan names its dense MLP (gate_proj, up_proj colwise; down_proj rowwise) but not the shared
+    expert beside the experts: it is split the same way, its own sigmoid gate kept whole (parity under tp=2: the
+    launch above). Reference: the model's base_model_tp_plan entries for layers.*.mlp."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from paratrain.models.hf_tp_plan import hf_tp_plan
+    from paratrain.models.tp_styles import ReplicateParallel
+
+    tiny_config("qwen2_moe").save_pretrained(tmp_path)
+    plan = hf_tp_plan(build_hf_model(f"hf:{tmp_path}", seed=None), 2)
+    block = "hf.model.layers.0.mlp"
+    assert {name: type(plan[f"{block}.shared_expert.{name}"]) for name in ("gate_proj", "up_proj", "down_proj")} == \
+        {"gate_proj": ColwiseParallel, "up_proj": ColwiseParallel, "down_proj": RowwiseParallel}
+    assert type(plan[f"{block}.shared_expert_gate"]) is ReplicateParallel
 
 
 def test_unsupported_moe_layouts_are_refused_in_one_line():

@@ -9,7 +9,8 @@ suite calls run(SPEC) on ranks forked from its warm forkserver instead (tests/gr
 SPEC: {"verify": [{"id": NAME, "strategy": ..., degrees...}], "comm": bool, "ckpt_save": DIR|null,
        "ckpt_load": DIR|null, "approx": {"steps": N, "runs": {name: overrides}} | null,
        "pipeline": {"ckpt_dir": DIR|null} | null, "uneven": bool, "tp_parity": bool, "cp_parity": bool,
-       "validation": bool, "reshard": DIR|null, "moe": bool, "semi_sync": DIR|null}
+       "validation": bool, "reshard": DIR|null, "moe": bool, "semi_sync": DIR|null, "kv_cache": bool,
+       "infer_eval": DIR|null, "generate": DIR|null}
 """
 
 from __future__ import annotations
@@ -191,6 +192,25 @@ def run(spec: dict) -> dict | None:
         from moe_worker import run_checks as moe_checks
 
         report["moe"] = moe_checks(rt)
+    if spec.get("kv_cache"):  # tests/infer/kv_cache_worker.py: greedy decoding through the KV cache under tp, ep
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer"))
+        from kv_cache_worker import run_checks as kv_cache_checks
+
+        report["kv_cache"] = kv_cache_checks(rt)
+    if spec.get("infer_eval"):  # tests/infer/eval_worker.py: paratrain eval of a checkpoint under every layout
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer"))
+        from pathlib import Path
+
+        from eval_worker import run_checks as eval_checks
+
+        report["infer_eval"] = eval_checks(rt, Path(spec["infer_eval"]))
+    if spec.get("generate"):  # tests/infer/generate_worker.py: paratrain generate under every layout
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer"))
+        from pathlib import Path
+
+        from generate_worker import run_checks as generate_checks
+
+        report["generate"] = generate_checks(rt, Path(spec["generate"]))
     dist.barrier()
     gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
     shutdown()

@@ -169,6 +169,26 @@ def test_plan_marks_what_the_runtime_refuses_for_an_hf_moe_model(tmp_path, cli_i
         assert d["ep"] == 1 or d["tp"] == d["pp"] == d["cp"] == 1, d
 
 
+def test_plan_marks_experts_the_runtime_cannot_split_as_train_refuses_them(tmp_path, cli_inproc):
+    """JetMoE keeps its experts' weights in two modules (models/hf_moe_layout.py split_refusal): train refuses
+    --ep on it before any process starts, and plan marks the same layout runtime_unsupported in the same words
+    (both through train/hf_run_checks.py), recommending none of the --ep candidates."""
+    from paratrain.interop.hf_tiny_config import tiny_config
+
+    tiny_config("jetmoe").save_pretrained(str(tmp_path / "jetmoe"))
+    spec = f"hf:{tmp_path / 'jetmoe'}"
+    shape = ["--seq-len", "64", "--global-batch", "8"]
+    refused = cli_inproc("train", "--model", spec, "--strategy", "ep", "--ep", "2", "--nproc", "4", "--device", "cpu",
+                         *shape)
+    assert refused.returncode == 2 and "JetMoeParallelExperts" in refused.stderr, refused.stderr
+    rule = refused.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    doc = json.loads(cli_inproc("plan", "--model", spec, "--gpu", "h100-sxm", "--gpus", "4", *shape, "--ep", "2",
+                                "--json").stdout)
+    fsdp_only = [c for c in doc["candidates"] if c["dims"]["dp_shard"] == 4]
+    assert fsdp_only and all(c["runtime_unsupported"] == rule for c in fsdp_only), doc["candidates"]
+    assert doc["no_fit_reason"] == "runtime_unsupported"
+
+
 def test_plan_marks_pp_with_tp_on_an_hf_dense_model_runtime_unsupported(tmp_path, cli_inproc):
     """A transformers model's pipeline stages compose with data parallelism only (train/hf_run_checks.py
     check_hf_pipeline_layout): the planner marks pp x tp with the runtime's own words, as train refuses it."""

@@ -103,20 +103,21 @@ def test_a_board_variants_stated_memory_bandwidth_prices_memory_bound_ops_and_ke
 
 def test_the_benchmark_answers_what_plan_json_answers_with_the_cases_flags(bench, cli_inproc):
     """One code path: a published case is priced by `paratrain plan --json` with the flags a user would give (a
-    Megatron-Core row: the distributed optimizer, async TP, compile; its micro-batch left open by the source)."""
+    Megatron-Core row: the distributed optimizer, async TP, compile, 16-bit weights; its micro-batch left open by
+    the source)."""
     case = next(c for c in bench.json.loads(bench.RUNS.read_text())["cases"] if c["id"] == "megatron-core-h100-7.1b")
     row = bench.predict(case)
     flags = row["plan_flags"]
-    assert {"--dist-optimizer", "--async-tp", "--compile", "--hf-config"} <= set(flags)
+    assert {"--dist-optimizer", "--async-tp", "--compile", "--half-weights", "--hf-config"} <= set(flags)
     assert flags[flags.index("--micro-batch") + 1] == str(row["micro_batch"])
     res = cli_inproc("plan", *flags, "--json")
     assert res.returncode == 0, res.stderr
     cand = res.json()["candidates"][0]
     assert cand["step_time_s"] == row["predicted_step_s"]
     assert cand["memory_gib"]["total"] == row["predicted_memory_gib"]
-    assert res.json()["job"]["dist_optimizer"] and res.json()["job"]["async_tp"]
+    assert res.json()["job"]["dist_optimizer"] and res.json()["job"]["async_tp"] and res.json()["job"]["half_weights"]
     # without the schemes' flags the same layout is priced as paratrain's runtime would run it: slower
-    plain = [f for f in flags if f not in ("--dist-optimizer", "--async-tp")]
+    plain = [f for f in flags if f not in ("--dist-optimizer", "--async-tp", "--half-weights")]
     res = cli_inproc("plan", *plain, "--json")
     assert res.json()["candidates"][0]["step_time_s"] > row["predicted_step_s"] * 1.05
 

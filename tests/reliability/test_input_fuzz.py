@@ -125,7 +125,7 @@ def manifest_cases(draw):
         value = draw(st.binary(max_size=30))
     else:
         value = draw(json_values)
-    resume = draw(st.sampled_from(["path", "auto"]))
+    resume = draw(st.sampled_from(["path", "auto", "eval"]))  # eval: `paratrain eval` reads the manifest too
     return field, value, resume
 
 
@@ -218,6 +218,8 @@ def test_fuzz_checkpoint_manifests(good_checkpoints, tmp_path):
         source = ["--resume", "ck/step-4"] if resume == "path" else ["--resume", "auto", "--ckpt-dir", "ck"]
         argv = ["train", "--strategy", "single", "--seq-len", "32", "--global-batch", "4", "--steps", "5",
                 "--no-metrics", "--out", "run", *source]
+        if resume == "eval":
+            argv = ["eval", "ck/step-4", "--seq-len", "32", "--global-batch", "4", "--val-batches", "1"]
         check("manifest", argv, work, inputs)
 
     run()

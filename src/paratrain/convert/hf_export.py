@@ -29,7 +29,7 @@ from paratrain.interop.hf_format import HFTensor, hf_config, hf_tensors
 from paratrain.interop.hf_import import INDEX, SINGLE
 from paratrain.interop.optional import require
 from paratrain.models.llama import ModelArgs
-from paratrain.train.recovery.checkpoint import MANIFEST, check_complete, latest_complete, read_manifest
+from paratrain.train.recovery.checkpoint import MANIFEST, find_checkpoint, read_manifest
 from paratrain.train.recovery.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,23 +41,6 @@ def parse_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise UserError(f"--max-shard-size {text!r}: expected a size like 500MB or 2GB")
     return int(float(m.group(1)) * UNITS[m.group(2) or ""])
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A complete step directory: `path` itself, or the newest complete step-N/ under it."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"{path}: no such checkpoint directory")
-    if (path / MANIFEST).exists() or (path / ".metadata").exists():
-        problem = check_complete(path)
-        if problem:
-            raise UserError(f"{path} is not a complete paratrain checkpoint: {problem}")
-        return path
-    newest = latest_complete(path)
-    if newest is None:
-        raise UserError(f"{path} is not a paratrain checkpoint (no {MANIFEST} and .metadata, "
-                        "and no complete step-N/ inside)")
-    return newest
 
 
 def plan_shards(specs: list[HFTensor], itemsize: int, max_bytes: int) -> list[list[HFTensor]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 class HFCausalLM(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab) through a transformers *ForCausalLM held as `hf`."""
 
+    # some families hold parameters the language-model loss never reaches (DeepSeek-V3.2's and dots3's indexer,
+    # trained by a loss of its own; DeepSeek-V4's compressors on short rows): DDP must look for them each step
+    may_leave_parameters_unused = True
+
     def __init__(self, hf_model: nn.Module, name: str):
         super().__init__()
         self.hf = hf_model
@@ -105,11 +110,19 @@ class HFCausalLM(nn.Module):
         self.attention_takes_documents = documents
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache=None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """positions: (seq,) global positions, or (batch, seq) per-document ones with doc_ids (packed rows), which
-        become a 4-D block-diagonal causal mask (transformers uses a 4-D mask as given)."""
+        become a 4-D block-diagonal causal mask (transformers uses a 4-D mask as given). cache: decoding
+        (infer/kv_cache.py) with transformers' own cache (a DynamicCache), attention_mask (batch, cached + new
+        tokens) 0 at padding."""
         if positions is not None and positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        if cache is not None:
+            # transformers 5.2x names it `cache`; earlier releases (and models not yet renamed) `past_key_values`
+            named = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
+            return self.hf(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
+                           use_cache=True, **{named: cache}).logits
         balancing = self.balancing if self.training and torch.is_grad_enabled() else 0.0
         kwargs = {"output_router_logits": True} if balancing else {}
         if doc_ids is None:

@@ -26,6 +26,7 @@ class HFStages(nn.Module):
 
     rotary: nn.Module | None = None
     hf_prefixes: dict[str, str] = {}
+    may_leave_parameters_unused = True  # as the whole model (hf_model.py HFCausalLM): DDP looks for them
 
     def __init__(self, args: ModelArgs):
         super().__init__()

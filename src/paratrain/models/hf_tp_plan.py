@@ -11,8 +11,9 @@ MoE layers (transformers 5's fused experts, found by their shape: models/hf_moe_
 "moe_tp_experts" module, with its "packed_colwise" gate_up_proj and "rowwise" down_proj, becomes
 models/hf_moe.py's SplitExpertsOverTP (the experts split over the tp ranks by expert, each routed copy computed
 once) and the router is kept whole (ReplicateRouter); a model whose plan leaves its experts out (GPT-OSS) gets the
-same. Entries for modules a layer does not have (DeepSeek-V3's dense MLP entries on its MoE layers) are written
-per layer, for the layers that have them.
+same. A shared expert the plan leaves out (Qwen2-MoE's) is split as the plan splits the dense MLP (column-parallel
+in, row-parallel out). Entries for modules a layer does not have (DeepSeek-V3's dense MLP entries on its MoE
+layers) are written per layer, for the layers that have them.
 
 Attention the plan leaves out (GPT-OSS, DeepSeek-V3's multi-head latent attention) is split by heads as the other
 families' plans split it: the per-head projections (q/k/v, or MLA's q_b_proj and kv_b_proj) column-parallel, o_proj
@@ -204,6 +205,7 @@ def found_by_shape(model: nn.Module, plan: dict, sp: bool) -> dict:
         if not _covered(f"hf.{layer.experts}", plan) and layer.split_refusal() is None:
             out[f"hf.{layer.experts}"] = SplitExpertsOverTP()
             out[f"hf.{layer.router}"] = ReplicateRouter()
+        out.update(shared_expert_split(model.hf, layer, plan, sp))
     heads = config_value(model.hf.config, "num_attention_heads")
     for name, module in model.named_modules():
         if not _is_attention(module) or any(_covered(f"{name}.{child}", plan) for child in HEAD_SPLIT):
@@ -220,6 +222,27 @@ def found_by_shape(model: nn.Module, plan: dict, sp: bool) -> dict:
                 out[f"{name}.{child_name}"] = HeadShardedNorm()
         if any(p.shape[:1] == (heads,) for p in module.parameters(recurse=False)):
             out[name] = HeadSplitParams(model)
+    return out
+
+
+def shared_expert_split(hf: nn.Module, layer, plan: dict, sp: bool) -> dict:
+    """Entries for the shared experts of one MoE layer that the plan leaves out (Qwen2-MoE's, behind its own
+    sigmoid gate), split as the model's own plan splits a dense MLP in the same place (`layers.*.mlp.gate_proj`
+    colwise, ...): only where the plan names every linear of the shared expert and those hold all its parameters.
+    The row-parallel output is summed over the tp ranks before the block uses it, so a gate after it (kept whole,
+    like any module the plan leaves out) sees the whole output."""
+    prefix = f"{hf.base_model_prefix}."
+    block = _wildcard(layer.block.removeprefix(prefix))
+    styles = {path[len(block) + 1:]: style for path, style in model_tp_plan(hf).items()
+              if path.startswith(block + ".") and "." not in path[len(block) + 1:] and style in ("colwise", "rowwise")}
+    modules, out = dict(hf.named_modules()), {}
+    for shared in layer.shared_experts:
+        linears = {name: child for name, child in modules[shared].named_children() if isinstance(child, nn.Linear)}
+        held = sum(p.numel() for child in linears.values() for p in child.parameters())
+        if not linears or not set(linears) <= set(styles) or held != sum(p.numel() for p in modules[shared].parameters()) \
+                or any(_covered(f"hf.{shared}.{name}", plan) for name in linears):
+            continue
+        out.update({f"hf.{shared}.{name}": translate(styles[name], sp) for name in linears})
     return out
 
 

@@ -56,16 +56,32 @@ def structural_problem(job: Job, lay: Layout, gpus_per_node: int) -> str | None:
 
 def _check_hf_runtime(job: Job, lay: Layout) -> None:
     """An `hf:` model runs as transformers' own modules (models/hf_model.py), in fewer layouts than paratrain's
-    models: the runtime's own refusals (pp with tp or cp; for MoE: ep with tp, pp or cp, SP, tp not dividing the
-    experts, a family not verified)."""
+    models: the runtime's own refusals (pp with tp or cp; for MoE: experts whose layout --ep / --tp cannot split,
+    read from the model as train reads it; ep with tp, pp or cp, SP, tp not dividing the experts)."""
     spec = job.hf_config or (job.model_name if is_hf_model(job.model_name) else None)
     if not spec:
         return
     from paratrain.train.hf_run_checks import check_hf_moe_run, check_hf_pipeline_layout
 
     if job.args.moe:
-        check_hf_moe_run(lay, _hf_model_type(spec), job.args.n_experts)
+        split_refusal = _hf_split_refusal(spec) if lay.splits_experts or lay.splits_within_layers else None
+        check_hf_moe_run(lay, _hf_model_type(spec), job.args.n_experts, split_refusal)
     check_hf_pipeline_layout(lay)
+
+
+@functools.lru_cache(maxsize=16)
+def _hf_split_refusal(spec: str) -> str | None:
+    """Why the runtime cannot split the model's experts (train/hf_run_checks.py model_facts, which builds it on the
+    meta device), cached on disk by the config and transformers' version: a plan answered from the cache does not
+    import transformers (seconds)."""
+    import importlib.metadata
+
+    from paratrain.models.hf_files import read_hf_config
+    from paratrain.plan.tracing.trace_cache import cached
+    from paratrain.train.hf_run_checks import model_facts
+
+    key = {"config": read_hf_config(spec), "transformers": importlib.metadata.version("transformers")}
+    return cached("split-refusal", key, lambda: {"refusal": model_facts(spec)[0]}, lambda doc: doc)["refusal"]
 
 
 @functools.lru_cache(maxsize=16)

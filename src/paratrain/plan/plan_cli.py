@@ -182,7 +182,8 @@ def priced_schemes(r: PlanRequest) -> dict:
         raise UserError(f"--moe-routing must be {' or '.join(ROUTINGS)}, got {r.moe_routing!r}")
     if r.async_tp and not r.compile:
         raise UserError("--async-tp prices torch's micro-pipelined TP, which runs compiled: add --compile")
-    return {"dist_optimizer": bool(r.dist_optimizer), "async_tp": bool(r.async_tp), "moe_routing": r.moe_routing}
+    return {"dist_optimizer": bool(r.dist_optimizer), "async_tp": bool(r.async_tp), "moe_routing": r.moe_routing,
+            "half_weights": bool(r.half_weights)}
 
 
 def format_devices(cand: dict) -> list[str]:

@@ -62,6 +62,10 @@ def explain(job: Job, hw: HardwareProfile, cand: Candidate) -> list[str]:
                       cand.time, job.dist_optimizer, job.async_tp)
     for technique in techniques():
         out += technique.reasons(r)
+    if job.half_weights and job.dtype != "fp32":
+        out.append(f"priced with {job.dtype} weights (--half-weights: fp32 masters in the optimizer, gradients "
+                   "accumulated by the weight-gradient GEMMs, as Megatron runs); paratrain's runtime casts its fp32 "
+                   "weights in every micro-batch's forward and adds each gradient into fp32")
     if lay.ac != "none":
         extra = "re-runs each block's forward in the backward" if lay.ac == "full" else \
             "recomputes norms and elementwise ops, keeps matmul outputs"
@@ -177,7 +181,7 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
                     "calibrated": hw.calibrated, "profile_notes": hw.notes},
         "job": {"seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
                 "compile": job.compile, "dist_optimizer": job.dist_optimizer, "async_tp": job.async_tp,
-                "moe_routing": job.moe_routing, "fixed": {k: v for k, v in fixed.items() if v is not None}},
+                "moe_routing": job.moe_routing, "half_weights": job.half_weights, "fixed": {k: v for k, v in fixed.items() if v is not None}},
         "recommended": 0 if feasible else None,
         "fits": bool(feasible),
         "layouts_examined": examined,

@@ -35,6 +35,9 @@ class Job:
     # which experts a token's k choices are, for --ep's exchange (costs/expert_spread.py): "random" (a
     # trained, balanced router) unless a benchmark's gate says otherwise (benchmarks/published_runs.json)
     moe_routing: str = "random"
+    # weights held in the compute dtype, fp32 masters in the optimizer, gradients accumulated in fp32 by the
+    # weight-gradient GEMMs (Megatron's Float16Module and gradient-accumulation fusion): no autocast casts
+    half_weights: bool = False
 
     def layout_options(self) -> dict:
         """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""

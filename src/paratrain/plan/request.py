@@ -40,6 +40,7 @@ class PlanRequest:
     dist_optimizer: bool = False
     async_tp: bool = False
     moe_routing: str = "random"
+    half_weights: bool = False
     # the answer
     top: int = 10
     search: str = "fast"

@@ -139,7 +139,7 @@ def with_time(job: Job, hw: HardwareProfile, cand: Candidate) -> Candidate:
         lay = cand.layout
         cand.time = estimate_time(hw, job.args, lay, job.seq_len, job.dtype, job.device_type,
                                   async_tp=job.async_tp, dist_optimizer=job.dist_optimizer,
-                                  moe_routing=job.moe_routing)
+                                  moe_routing=job.moe_routing, half_weights=job.half_weights)
         tokens = job.global_batch * job.seq_len
         cand.tokens_per_s_per_device = tokens / cand.time.step_s / lay.world
         peak = hw.gpu.peak_tflops.get(job.dtype)

@@ -24,9 +24,10 @@ from paratrain.train.step import autocast_context, batch_inputs, plain_loss, rea
 
 class Validator:
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp: int, micro_batch: int, batches: int,
-                 shares: tuple[int, ...] = ()):
+                 shares: tuple[int, ...] = (), seq_len: int = 0):
         self.source = BatchSource(dataset, global_batch, dp_rank, dp, micro_batch, shares)
         self.batches = batches
+        self.tokens = batches * global_batch * seq_len  # the targets in all the batches: a window's all count
 
     def micro_batches(self, index: int) -> list[Batch]:
         batch = self.source.rank_batch(index)
@@ -44,11 +45,19 @@ class DocumentValidator:
         self.data, self.global_batch, self.micro_batch, self.batches = data, global_batch, micro_batch, batches
         self.rows: list[dict] | None = None
 
-    def micro_batches(self, index: int) -> list[Batch]:
+    @property
+    def tokens(self) -> int:
+        """The targets that count (IGNORE ones, across documents and on padding, do not) in all the batches."""
+        return sum(real_tokens(self._rows()[i]["targets"]) for i in range(self.batches))
+
+    def _rows(self) -> list[dict]:
         if self.rows is None:
             stream = self.data.open()
             self.rows = [stream.next_global_batch(self.global_batch) for _ in range(self.batches)]
-        rows = self.rows[index]
+        return self.rows
+
+    def micro_batches(self, index: int) -> list[Batch]:
+        rows = self._rows()[index]
         mine = {k: torch.from_numpy(v[self.offset:self.offset + self.local].copy()) for k, v in rows.items()}
         batch = Batch(mine["inputs"], mine["targets"], mine["positions"], mine["doc_ids"], real_tokens(rows["targets"]))
         return batch.split(self.micro_batch)
@@ -92,7 +101,8 @@ def build_validator(cfg, vocab_size: int, dp_rank: int = 0, dp: int = 1, micro_b
     if dataset is None:
         return None
     micro = micro_batch or cfg.global_batch // dp
-    return Validator(dataset, cfg.global_batch, dp_rank, dp, micro, validation_batches(cfg, dataset), shares)
+    return Validator(dataset, cfg.global_batch, dp_rank, dp, micro, validation_batches(cfg, dataset), shares,
+                     cfg.seq_len)
 
 
 def _plain_loss(runner, micro: list[Batch]) -> torch.Tensor:
@@ -115,15 +125,19 @@ def _pipeline_loss(runner, micro: list[Batch]) -> torch.Tensor:
     return runner.evaluate_loss(micro)
 
 
-def evaluate(trainer) -> float:
-    """Mean validation loss over the held-out batches (a collective: every rank calls it)."""
-    runner, validator = trainer.step_runner, trainer.validator
+def evaluate(trainer, validator=None, progress=None) -> float:
+    """Mean validation loss over the held-out batches (a collective: every rank calls it). `validator`: another
+    held-out set than the trainer's (paratrain eval's per-source losses); `progress(done, batches, mean so far)`
+    is called after each batch."""
+    runner, validator = trainer.step_runner, validator or trainer.validator
     local_loss = _pipeline_loss if hasattr(runner, "schedule") else _plain_loss
     losses = []
     with torch.no_grad():
         for index in range(validator.batches):
             micro = [mb.to(trainer.rt.device) for mb in validator.micro_batches(index)]
             losses.append(trainer.global_loss(local_loss(runner, micro)))
+            if progress is not None:
+                progress(index + 1, validator.batches, sum(losses) / len(losses))
     return sum(losses) / len(losses)
 
 

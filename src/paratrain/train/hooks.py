@@ -47,6 +47,8 @@ KINDS = {
     "auto_candidates": ("fn(candidates) -> candidates", "--strategy auto: the feasible layouts, fastest first"),
     "on_collective": ("fn(call, proceed) -> result", "around each of paratrain's own collectives, process-wide "
                       "(parallel/collective_hooks.py)"),
+    "next_token_logits": ("fn(logits, layout) -> logits", "generate: each decoding step, the next-token logits "
+                          "(batch, vocab; whole, on every rank) before a token is chosen (infer/generate.py)"),
 }
 
 
@@ -128,6 +130,9 @@ class Hooks:
         """Process-wide, whichever registry it is registered on (a collective knows no trainer)."""
         return self._add("on_collective", fn, remove_also=add_interceptor(fn))
 
+    def next_token_logits(self, fn) -> Handle:
+        return self._add("next_token_logits", fn)
+
     def remove_owned(self, owner: object) -> None:
         for kind, entries in self._entries.items():
             for entry in [e for e in entries if e[1] is owner]:
@@ -179,6 +184,11 @@ class Hooks:
         for fn in self.callbacks("around_compute"):
             stack.enter_context(fn(index))
         return stack
+
+    def apply_next_token_logits(self, logits, layout):
+        for fn in self.callbacks("next_token_logits"):
+            logits = fn(logits, layout)
+        return logits
 
     def apply_auto_candidates(self, candidates: list) -> list:
         for fn in self.callbacks("auto_candidates"):

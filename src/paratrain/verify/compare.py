@@ -79,8 +79,9 @@ def grad_errors(ref: dict, got: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-def param_errors(ref: dict, update: dict, got: dict) -> dict[str, tuple[float, float]]:
-    """{name: (||p - p_ref|| / ||this step's reference update||, max |p - p_ref|)} for this rank's tensors."""
+def param_errors(ref: dict, update: dict, got: dict, set_aside: dict | None = None) -> dict[str, tuple[float, float]]:
+    """{name: (||p - p_ref|| / ||this step's reference update||, max |p - p_ref|)} for this rank's tensors, over
+    the elements not set aside (`set_aside`: {name: bool mask}, rounding_elements)."""
     out = {}
     for name, p in got.items():
         r = ref.get(name)
@@ -88,8 +89,32 @@ def param_errors(ref: dict, update: dict, got: dict) -> dict[str, tuple[float, f
             out[name] = (float("inf"), float("inf"))
             continue
         diff = (p - r).double()
+        mask = (set_aside or {}).get(name)
+        if mask is not None:
+            diff = diff.masked_fill(mask, 0.0)
         out[name] = (_ratio(float(diff.norm()), update[name]), float(diff.abs().max()) if diff.numel() else 0.0)
     return out
+
+
+def rounding_elements(ref_grad, grad, rel: float, grad_rtol: float):
+    """The elements of one tensor whose gradient is rounding, as a bool mask (None: none): the tensor's gradient
+    passed its check (rel <= grad_rtol) and the two runs disagree on the element by more than half its reference
+    value, so it lies below what the gradient check resolves (|g_ref,i| < 2·grad_rtol·||g_ref||) and its sign is
+    the summation order's. An optimizer that scales each element by its own history (Adam: m / (sqrt(v) + eps))
+    moves such an element by up to about lr, either way: its parameter is decided by rounding, not by the layout.
+    Elements whose gradient is exactly 0 in both runs stay compared (nothing should move them but weight decay)."""
+    if not rel <= grad_rtol:  # also a name or shape the reference lacks (rel inf)
+        return None
+    mask = (grad - ref_grad).abs() > 0.5 * ref_grad.abs()
+    return mask if bool(mask.any()) else None
+
+
+def set_aside_summary(set_aside: dict) -> dict:
+    """What the parameter comparison left out (rounding_elements): the elements over all ranks, and the three
+    tensors with the most."""
+    rows = sorted(({"name": name, "rank": rank, "elements": int(mask.sum()), "of": mask.numel()}
+                   for (rank, name), mask in set_aside.items()), key=lambda row: -row["elements"])
+    return {"elements": sum(row["elements"] for row in rows), "largest": rows[:3]}
 
 
 def combine_fingerprints(per_rank: list[dict | None]) -> dict[str, list[float]] | None:
@@ -111,18 +136,30 @@ def fingerprint_error(ref: list[float], got: list[float] | None) -> float:
                    _ratio(abs(got[3] - ref[3]), scale)])
 
 
-def compare_step(ref: dict, records: list[dict]) -> dict:
+def compare_step(ref: dict, records: list[dict], set_aside: dict | None = None, grad_rtol: float = 0.0) -> dict:
     """Errors of one step: every rank's record against the reference step.
 
     ref: {"loss", "grad_norm", "grads", "params", "update", "acts"}; records[r]: the same keys from rank r.
+    set_aside: {(rank, name): bool mask}, kept by the caller across steps: the parameter elements whose gradient
+    was rounding at this or an earlier step (rounding_elements, judged with grad_rtol), left out of the parameter
+    comparison from then on (None: every element compared).
     """
     grads, params, loss, norm = [], [], [], []
     for rank, rec in enumerate(records):
         loss.append(abs(rec["loss"] - ref["loss"]))
         norm.append(_ratio(abs(rec["grad_norm"] - ref["grad_norm"]), abs(ref["grad_norm"])))
-        grads += [(rel, name, rank, scale) for name, (rel, scale) in grad_errors(ref["grads"], rec["grads"]).items()]
+        errors = grad_errors(ref["grads"], rec["grads"])
+        grads += [(rel, name, rank, scale) for name, (rel, scale) in errors.items()]
+        masks = None
+        if set_aside is not None:
+            for name, (rel, _) in errors.items():
+                mask = rounding_elements(ref["grads"].get(name), rec["grads"][name], rel, grad_rtol)
+                if mask is not None:
+                    old = set_aside.get((rank, name))
+                    set_aside[(rank, name)] = mask if old is None else old | mask
+            masks = {name: m for (r, name), m in set_aside.items() if r == rank}
         params += [(rel, name, rank, mx) for name, (rel, mx) in
-                   param_errors(ref["params"], ref["update"], rec["params"]).items()]
+                   param_errors(ref["params"], ref["update"], rec["params"], masks).items()]
     held_grads = set().union(*(rec["grads"] for rec in records))
     held_params = set().union(*(rec["params"] for rec in records))
     acts = None

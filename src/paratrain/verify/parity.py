@@ -23,6 +23,7 @@ from paratrain.verify.compare import (
     floor_multiple,
     judge,
     nanmax,
+    set_aside_summary,
 )
 from paratrain.verify.recorder import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
 from paratrain.verify.routing_match import RoutingCheck, routing_of
@@ -214,10 +215,11 @@ class Report:
         self.same_loss = True  # every rank reported exactly the same global loss
         self.model_parts = 1
         self.routing = RoutingCheck()
+        self.set_aside: dict = {}  # (rank, name) -> the elements whose gradient was rounding (compare.py)
 
     def add(self, step: int, records: list[dict]) -> None:
         ref = self.ref["steps"][step - 1]
-        err = compare_step(ref, records)
+        err = compare_step(ref, records, self.set_aside, self.tol.grad_rtol)
         ok = judge(err, ref, self.tol)
         routed_alike = self.routing.add(step, ref.get("routing", {}), [r.get("routing", {}) for r in records])
         worst_act = nanmax([e for e, _ in err["acts"]]) if err["acts"] is not None else None
@@ -265,6 +267,7 @@ class Report:
                 "max_loss_abs_diff": m["loss_abs"], "max_loss_rel_diff": m["loss_rel"],
                 "max_grad_norm_rel_diff": m["grad_norm_rel"], "max_grad_rel_diff": m["grad_rel"],
                 "max_param_rel_diff": m["param_rel"], "max_param_abs_diff": m["param_abs"],
+                "param_elements_set_aside": set_aside_summary(self.set_aside),
                 "max_act_rel_diff": m["act_rel"] if self.acts_compared else None, "margins": self.margins(),
                 "passed": all(self.checks.values()) and not self.missing and self.routing.ok is not False,
                 "checks": self.checks, **self.routing.result(),

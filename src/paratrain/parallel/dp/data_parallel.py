@@ -27,16 +27,21 @@ POWERSGD_RANK = 8
 def apply_ddp(model: nn.Module, dp_mesh, device_type: str, bucket_cap_mb: float = 25.0, comm_hook: str = "none",
               local_sgd_period: int = 0, powersgd_start: int = 2) -> nn.Module:
     device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
+    # a model that says some of its parameters may get no gradient in a step (models/hf_model.py) has DDP look
+    # for them after each forward (a walk of the autograd graph); otherwise DDP waits for them and fails
+    find_unused = bool(getattr(model, "may_leave_parameters_unused", False))
     # grads as views of the reducer's buckets: one copy of the gradients instead of two
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group(),
-                                  bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+                                  bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+                                  find_unused_parameters=find_unused)
     group = dp_mesh.get_group()
     if comm_hook != "none":
         register_comm_hook(ddp, comm_hook, group, powersgd_start)
     if local_sgd_period:
         attach_local_sgd(ddp, local_sgd_period, group)
     extras = (f", {comm_hook} comm hook" if comm_hook != "none" else "") + \
-        (f", local SGD every {local_sgd_period} steps" if local_sgd_period else "")
+        (f", local SGD every {local_sgd_period} steps" if local_sgd_period else "") + \
+        (", finding parameters without a gradient each step" if find_unused else "")
     log.info("applied DDP over %d ranks%s", dp_mesh.size(), extras)
     return ddp
 

@@ -4,6 +4,9 @@ strategy, and the pipeline bubble per schedule.
 Compute: every op the trace recorded costs max(FLOPs / matmul rate, bytes / memory bandwidth), plus a per-op
 overhead (added on CPU; on GPU a launch floor the previous kernel hides). Rates are calibrated, or the
 catalog peak times the documented efficiencies (hardware.py). Communication: see collectives.py.
+Mixed precision: the trace runs paratrain's autocast over fp32 weights, whose casts of each weight per use and
+fp32 gradient accumulation it tags (tracing/units.py MixedPrecisionOps); --half-weights prices Megatron's 16-bit
+weights instead (HALF_WEIGHTS_SKIPS cost nothing, one master-to-weight copy per step).
 Overlap rules (the fraction `overlap` of the profile is how much of an overlappable transfer hides):
   DDP        gradient all-reduce runs under the last micro-batch's backward; the last bucket is exposed
   ZeRO-1     as DDP, plus the parameter broadcast after the optimizer step (exposed)
@@ -94,10 +97,16 @@ FP8_CAST_TRAFFIC = 0.5
 # torch.compile fuses chains of elementwise / norm / cast ops into one kernel that reads its inputs and writes its
 # outputs once: the memory-bound ops' traffic is taken as halved (a documented factor; no lent GPU measured it)
 COMPILE_MEMORY_BOUND_FACTOR = 0.5
+# the ops autocast adds around fp32 weights (tracing/units.py MixedPrecisionOps), which a run holding its weights
+# in the compute dtype does not run (--half-weights): Megatron's Float16Module keeps 16-bit weights (no cast per
+# use) and its weight-gradient GEMMs accumulate into the fp32 main gradients (--gradient-accumulation-fusion:
+# no cast back, no separate addition)
+HALF_WEIGHTS_SKIPS = frozenset({"weight_cast", "grad_cast", "grad_accumulate"})
 
 
-def op_cost(profile: HardwareProfile, dtype: str, phase: str, compiled: bool = False):
-    """cost(kind, flops, bytes) -> seconds, for ops of one phase (fwd / bwd / opt)."""
+def op_cost(profile: HardwareProfile, dtype: str, phase: str, compiled: bool = False, half_weights: bool = False):
+    """cost(kind, flops, bytes) -> seconds, for ops of one phase (fwd / bwd / opt). half_weights: the weights
+    are held in the compute dtype (HALF_WEIGHTS_SKIPS cost nothing)."""
     bw = profile.mem_bw_gbs * 1e9
     fp8 = dtype == "fp8" and phase != "opt"
     fused = COMPILE_MEMORY_BOUND_FACTOR if compiled and phase != "opt" else 1.0
@@ -115,6 +124,8 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str, compiled: bool = F
         host = dtensor_op if dtensor else 0.0  # DTensor's sharding propagation runs on the host per op
         if kind == "view":
             return host + (0.0 if profile.overhead_overlaps else view)
+        if half_weights and kind in HALF_WEIGHTS_SKIPS:
+            return 0.0
         memory = nbytes / bw
         if kind == "mm":
             work = max(flops / matmul_rate(profile, mm_dtype, flops), memory)
@@ -131,12 +142,12 @@ def op_cost(profile: HardwareProfile, dtype: str, phase: str, compiled: bool = F
     return cost
 
 
-def cost_key(profile: HardwareProfile, dtype: str, compiled: bool = False) -> tuple:
+def cost_key(profile: HardwareProfile, dtype: str, compiled: bool = False, half_weights: bool = False) -> tuple:
     """Everything op_cost reads, as a key: traces cache their op sums under it (a profile being fitted changes
     in place, and one object's id may be reused by the next)."""
     curve = tuple(tuple(map(tuple, profile.matmul_curve.get(d, ()))) for d in sorted(profile.matmul_curve))
-    return (dtype, compiled, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())), profile.compute_scale,
-            profile.overhead_scale,
+    return (dtype, compiled, half_weights, profile.mem_bw_gbs, tuple(sorted(profile.op_overhead_us.items())),
+            profile.compute_scale, profile.overhead_scale,
             profile.framework_us.get("dtensor_op", 0.0), profile.overhead_overlaps, profile.attention_tflops_fraction,
             tuple(sorted(profile.dtype_tflops.items())), curve)
 
@@ -155,10 +166,11 @@ class ChunkTime:
 
 
 def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: str, layers: int, seq_len: int,
-               dtype: str, device_type: str, est: TimeEstimate, microbatches: int) -> ChunkTime:
+               dtype: str, device_type: str, est: TimeEstimate, microbatches: int,
+               half_weights: bool = False) -> ChunkTime:
     tr = trace(trace_key(args, layout, part, seq_len, dtype, device_type), layers)
-    key = cost_key(profile, dtype, layout.compile)  # op_sum caches per (phase, key)
-    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase, layout.compile), key)
+    key = cost_key(profile, dtype, layout.compile, half_weights)  # op_sum caches per (phase, key)
+    fwd, bwd, opt = (tr.op_sum(phase, layers, op_cost(profile, dtype, phase, layout.compile, half_weights), key)
                      for phase in ("fwd", "bwd", "opt"))
     gpn = profile.gpu.gpus_per_node
     # context parallelism's own cost per call (its Python and waits around each collective; fitted, fit.py)
@@ -181,6 +193,12 @@ def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: 
     return ChunkTime(fwd, bwd, opt, tp_t, cp_t, cp_fixed, tr, layers)
 
 
+def master_copy(profile: HardwareProfile, c: ChunkTime) -> float:
+    """Seconds to write a chunk's fp32 master weights into its 16-bit model weights after the optimizer step (read
+    4 bytes, write 2 per parameter; memory-bound), as a half-weights run does once per step."""
+    return profile.compute_scale * 6.0 * c.tr.scalar("param_count", c.layers) / (profile.mem_bw_gbs * 1e9)
+
+
 # -- the step ------------------------------------------------------------------------------------------------------
 @dataclass
 class StepPricing:
@@ -196,6 +214,7 @@ class StepPricing:
     async_tp: bool = False
     dist_optimizer: bool = False
     moe_routing: str = "random"
+    half_weights: bool = False
 
     def where(self, group: str) -> str:
         return self.layout.placement(group, self.profile.gpu.gpus_per_node)
@@ -206,16 +225,20 @@ class StepPricing:
 
 def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq_len: int, dtype: str,
                   device_type: str, async_tp: bool = False, dist_optimizer: bool = False,
-                  moe_routing: str = "random") -> TimeEstimate:
+                  moe_routing: str = "random", half_weights: bool = False) -> TimeEstimate:
     """async_tp: TP collectives overlapped with the matmuls (torch's micro-pipelined TP, which needs compile and
     SP; ignored otherwise). dist_optimizer: a ZeRO-1 layout runs as a distributed optimizer (see the top).
     moe_routing: which experts a token's k choices are, for --ep's exchange (expert_spread.py).
+    half_weights: the weights are held in the compute dtype with fp32 masters in the optimizer (Megatron's
+    scheme): no per-micro-batch casts or gradient accumulation kernels (HALF_WEIGHTS_SKIPS); once per step the
+    optimizer writes the updated masters into the 16-bit weights.
 
     One path for every layout: each stage rank's model parts are traced and priced (one part on one rank without
     a pipeline), every dimension's technique adjusts them and adds its step terms, and the pipeline's technique
     adds the parts up."""
+    half_weights = half_weights and dtype != "fp32"
     p = StepPricing(profile, args, layout, seq_len, dtype, device_type, TimeEstimate(), async_tp, dist_optimizer,
-                    moe_routing)
+                    moe_routing, half_weights)
     every = techniques()
     pipeline = next(t for t in every if t.composes_step)
     m = layout.microbatches
@@ -225,7 +248,7 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
     for rank, part, layers in pipeline.stages(layout, args.n_layers, lambda: stage_layout(args, layout, seq_len)):
         if (part, layers) not in done:
             share = TimeEstimate()
-            c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m)
+            c = chunk_time(profile, args, layout, part, layers, seq_len, dtype, device_type, share, m, half_weights)
             for technique in every:
                 technique.adjust_chunk(p, c)
             done[(part, layers)] = (c, share)
@@ -235,7 +258,7 @@ def estimate_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, seq
             p.est.merge_comm(share)
         io = max(io, c.tr.io_bytes)
     sched = pipeline.schedule(p, ranks, io)
-    opt = max(sum(c.opt for c in cs) for cs in ranks.values())
+    opt = max(sum(c.opt + (master_copy(profile, c) if half_weights else 0.0) for c in cs) for cs in ranks.values())
     for technique in every:
         opt = technique.optimizer_share(layout, opt)
     terms: dict[str, float] = {}

@@ -69,6 +69,54 @@ class UnitTrace:
         return self.segments.get(f"{pas}/{unit}/{direction}", Segment())
 
 
+class MixedPrecisionOps:
+    """Tags the ops autocast's mixed precision adds around fp32 parameters, by what they touch: a cast of a
+    parameter to the compute dtype ("weight_cast": every use, every micro-batch, again in a recomputation), the
+    cast of a low-precision gradient back to the parameter's fp32 ("grad_cast") and its addition into the
+    accumulated fp32 gradient ("grad_accumulate"). They are priced as memory-bound ops like the rest; the time
+    model leaves them out for a run that holds its weights in the compute dtype (plan --half-weights)."""
+
+    def __init__(self):
+        self.params: set[int] = set()
+        self.grads: set[int] = set()
+        # storage of a cast's fp32 output -> (that storage, weakly; its entry): an id is reused once the storage
+        # dies, so an entry counts only for the storage it was made for
+        self.casts: dict[int, tuple] = {}
+
+    def watch(self, params) -> None:
+        from paratrain.plan.tracing.tracker import storages_of
+
+        self.params = {id(st) for p in params for st in storages_of(p)}
+        self.grads = {id(st) for p in params for st in storages_of(p.grad)}
+
+    def tag(self, func, args, out, entries: list) -> None:
+        import torch
+
+        from paratrain.plan.tracing.tracker import storages_of
+
+        if not self.params or not args or not isinstance(args[0], torch.Tensor):
+            return
+        name = func.overloadpacket.__name__
+        first = {id(st) for st in storages_of(args[0])}
+        if name == "_to_copy" and first & self.params:
+            self._retag(entries, len(entries) - 1, "weight_cast")
+        elif name == "_to_copy" and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            for st in storages_of(out):
+                self.casts[id(st)] = (weakref.ref(st), entries, len(entries) - 1)
+        elif name in ("add_", "copy_") and first & self.grads:
+            self._retag(entries, len(entries) - 1, "grad_accumulate")
+            if len(args) > 1 and isinstance(args[1], torch.Tensor):
+                for st in storages_of(args[1]):
+                    ref, *cast = self.casts.pop(id(st), (None,))
+                    if ref is not None and ref() is st:
+                        self._retag(*cast, "grad_cast")
+
+    @staticmethod
+    def _retag(entries: list, i: int, kind: str) -> None:
+        if entries[i][0] == "mem":
+            entries[i] = (kind, *entries[i][1:])
+
+
 def _unit_of_params(model) -> dict[str, list]:
     block = list(model.layers.values())[0]
     block_ids = {id(p) for p in block.parameters()}
@@ -100,6 +148,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
     ops: dict[str, list] = {}
     log.dtensor = {} if key.tp > 1 else None
     record = op_recorder(flat, state, log, key.device_type == "cpu")
+    precision = MixedPrecisionOps()
 
     # storage id -> (the storage, weakly; the unit whose op created it). An id is reused once its storage dies,
     # so an entry only counts for the storage it was made for
@@ -115,7 +164,9 @@ def trace_units(key: UnitKey) -> UnitTrace:
                     if seen is None or seen[0]() is not st:
                         born[id(st)] = (weakref.ref(st), state["unit"])
         if state["phase"] and len(flat[state["phase"]]) > before:
-            ops.setdefault(f"{state['unit']}/{state['phase']}", []).append(flat[state["phase"]].pop())
+            entries = ops.setdefault(f"{state['unit']}/{state['phase']}", [])
+            entries.append(flat[state["phase"]].pop())
+            precision.tag(func, args, out, entries)
         sample_first()
 
     with quiet_logs(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -196,6 +247,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
                 missing["params"].add(id(p))
                 missing["bytes"] += tracker.bytes_of([p.grad])
                 p.register_post_accumulate_grad_hook(made)
+            precision.watch(params)
             log.active = True
             boundary("pre/fwd")
             state["phase"], log.phase = "fwd", "fwd"

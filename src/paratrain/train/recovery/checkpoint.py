@@ -375,6 +375,23 @@ def latest_complete(root: str | Path, warn: bool = True) -> Path | None:
     return None
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """A complete step directory: `path` itself, or the newest complete step-N/ under it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint directory")
+    if (path / MANIFEST).exists() or (path / ".metadata").exists():
+        problem = check_complete(path)
+        if problem:
+            raise UserError(f"{path} is not a complete paratrain checkpoint: {problem}")
+        return path
+    newest = latest_complete(path)
+    if newest is None:
+        raise UserError(f"{path} is not a paratrain checkpoint (no {MANIFEST} and .metadata, "
+                        "and no complete step-N/ inside)")
+    return newest
+
+
 def _warn_skip(path: Path, problem: str) -> None:
     if _rank() == 0:
         log.warning("skipping broken checkpoint %s: %s", path, problem)
