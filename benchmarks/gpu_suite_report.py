@@ -45,6 +45,8 @@ def read_row(row: Row, row_dir: Path, stdout: str) -> dict:
                 "findings": [f.get("cause") for f in doc.get("findings", [])],
                 "predicted": doc.get("predicted"), "peak_mem_gib": doc.get("peak_mem_gib"),
                 "trace": gzip_file(trace) if trace.exists() else None}
+    if row.kind == "inference":  # benchmarks/inference.py: per batch, paratrain's tokens/s over transformers'
+        return {"rows": doc["rows"], "prompt_len": doc["prompt_len"], "new_tokens": doc["new_tokens"]}
     if row.kind == "calibrate":
         return {"hardware_profile": doc.get("hardware_profile"), "gpu": (doc.get("gpu") or {}).get("name"),
                 "dtype_tflops": doc.get("dtype_tflops"), "compute_scale": doc.get("compute_scale"),
@@ -179,6 +181,10 @@ def markdown(doc: dict) -> str:
             tf = ", ".join(f"{k} {v:.3g}" for k, v in (r.get("dtype_tflops") or {}).items())
             notes = "; ".join(r.get("notes") or [])
             lines.append(f"| calibration ({r.get('gpu')}) | matmul TFLOP/s: {tf}; {notes} |")
+        elif e["kind"] == "inference":
+            ratios = ", ".join(f"batch {b['batch']}: {b['paratrain_tokens_per_s']:,.0f} / "
+                               f"{b['transformers_tokens_per_s']:,.0f} tokens/s = {b['ratio']:.2f}x" for b in r["rows"])
+            lines.append(f"| {e['id']} | paratrain / transformers generate (greedy, KV cache): {ratios} |")
         elif e["kind"] == "doctor":
             b = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("breakdown") or {}).items())
             lines.append(f"| {e['id']} | {_f(r.get('step_time_s'), 1e3)} ms/step; {b}; findings: "
@@ -215,4 +221,6 @@ def summary(e: dict) -> str:
         return f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_time_s'] * 1e3:.1f} ms/step{mfu}{p}"
     if "passed" in r:
         return "PASSED" if r["passed"] else "FAILED"
+    if e["kind"] == "inference":
+        return ", ".join(f"batch {b['batch']} paratrain / transformers {b['ratio']:.2f}x" for b in r["rows"])
     return "done"

@@ -39,7 +39,7 @@ CPU_SHAPE = {"dim": 96, "n_layers": 3, "ffn_dim": 256}  # the ~1B row's CPU twin
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    kind: str  # train | plain | verify | doctor | calibrate
+    kind: str  # train | plain | verify | doctor | calibrate | inference (benchmarks/inference.py)
     model: str = "gpt2-124m"
     dtype: str = "bf16"
     compile: bool = False
@@ -170,6 +170,8 @@ GPU_ROWS: list[Row] = [
             baseline=BASE16.id, cold_s=80, warm_s=30),
     *_train("gpt2-124m", "fp8", "compile", 16, baseline=BASE16.id, cold_s=90, warm_s=30),
     Row("calibrate", cold_s=30, warm_s=30),
+    # issue 50: paratrain generate against transformers' generate, batch 1 and micro_batch (8), greedy, KV cache
+    Row("inference", "gpt2-124m", "fp32", micro_batch=8, seq_len=128, steps=1, cold_s=45, warm_s=40),
     Row("verify", "gpt2-124m", "fp32", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
     Row("verify", "gpt2-124m", "bf16", seq_len=256, micro_batch=8, steps=3, cold_s=30, warm_s=30),
     Row("plain", "gpt2-124m", "fp8", compile=True, cold_s=80, warm_s=25),
@@ -227,6 +229,11 @@ def command(row: Row, row_dir: Path, device: str, profile: Path, config: Path | 
     if row.kind == "verify":
         return [py, "-m", "paratrain.cli", "verify", *common, *(flag_of(f) for f in row.flags), "--steps",
                 str(row.steps), "--json"]
+    if row.kind == "inference":  # prompts of seq_len / 2 tokens, as many new ones; steps: trained before export
+        half = str(row.seq_len // 2)
+        return [py, str(HERE / "inference.py"), "--model", row.model, "--device", device, "--dtype", row.dtype,
+                "--batches", f"1,{row.micro_batch}", "--prompt-len", half, "--new-tokens", half, "--train-steps",
+                str(row.steps), "--repeats", "3", "--json"]
     if row.kind == "doctor":
         return [py, "-m", "paratrain.cli", "doctor", *common, "--steps", str(row.steps),
                 "--warmup", str(row.warmup), "--probe-rounds", "1", "--trace", str(row_dir / "trace.json"),

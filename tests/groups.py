@@ -29,6 +29,9 @@ GPT2_TIED_PP = [{"id": "gpt2-pp-1f1b", "strategy": "pp", "pp_schedule": "1f1b", 
                 {"id": "gpt2-pp-interleaved", "strategy": "pp", "pp_schedule": "interleaved-1f1b",
                  "virtual_stages": 2, "microbatches": 2, "n_layers": 4}]
 ZERO = [{"id": s, "strategy": s} for s in ("zero1", "zero2", "zero3")]
+# LoRA (rank 4 on wq,wv, the base frozen): adapters' parity plus verify's LoRA checks (verify/lora_checks.py)
+LORA = {"lora_r": 4, "lora_alpha": 8.0, "steps": 3}
+LORA2 = [{"id": f"lora-{s}", "strategy": s, **LORA} for s in ("ddp", "zero3", "tp", "tp-sp", "pp")]
 # what each world size verifies, by id; the TP and CP cases run 3 steps, as `paratrain verify --steps 3` did
 VERIFY = {
     2: [*ZERO,
@@ -54,14 +57,16 @@ VERIFY = {
          "fused_qkv": True, "bf16_residual": True},
         # --fused-loss: the loss inside GPT-2's tied head, whose weight FSDP makes whole in that unit's forward
         {"id": "speed-fused-loss-gpt2-zero3", "strategy": "zero3", "model": "gpt2-tiny", "fused_loss": True,
-         "steps": 3}],
+         "steps": 3},
+        *LORA2],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},
         {"id": "tp4", "strategy": "tp", "model": "tiny-mha", "steps": 3},  # tiny's 2 kv heads do not split 4 ways
         {"id": "fsdp2xtp2", "strategy": "tp-sp", "dp_shard": 2, "tp": 2, "steps": 3},  # FSDP outer, TP+SP inner
         {"id": "gpt2-fsdp2xtp-sp2", "strategy": "tp-sp", "dp_shard": 2, "tp": 2, "model": "gpt2-tiny", "steps": 3},
-        {"id": "fsdp2xcp2", "strategy": "cp-ring", "dp_shard": 2, "cp": 2, "steps": 3}],
+        {"id": "fsdp2xcp2", "strategy": "cp-ring", "dp_shard": 2, "cp": 2, "steps": 3},
+        {"id": "lora-fsdp2xtp2", "strategy": "tp", "dp_shard": 2, "tp": 2, **LORA}],
 }
 
 

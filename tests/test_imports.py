@@ -14,7 +14,7 @@ import source_rules
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 # lower index = lower layer; a package may import its own layer and anything below it
-LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config", "config_markers", "training_options"}, {"train"}, {"infer"}, {"plan"}, {"calibrate"},
+LAYERS = [{"errors", "gpu_catalog"}, {"costs"}, {"models"}, {"interop"}, {"parallel"}, {"config", "config_markers", "training_options", "lora_options"}, {"train"}, {"infer"}, {"plan"}, {"calibrate"},
           {"bench", "doctor", "launchers", "verify", "convert"}, {"cli", "cli_options", "env_report", "api", "__init__"}]
 
 
@@ -199,7 +199,7 @@ ALLOWED_REACHES = allowed({
         "ZeRO-1's post-step parameter broadcast, routed through the collective door; torch has no public hook there",
     tuple(f"models/{f}: overrides {base}._apply" for f, base in (
         ("hf_moe.py", "ParallelStyle"), ("hf_tp_plan.py", "ParallelStyle"), ("tp_styles.py", "ParallelStyle"),
-        ("tp_styles.py", "RowwiseParallel"), ("tp_styles.py", "ColwiseParallel"))):
+        ("tp_styles.py", "RowwiseParallel"), ("tp_styles.py", "ColwiseParallel"), ("lora_tp.py", "ParallelStyle"))):
         "torch's ParallelStyle contract: a custom style implements _apply (parallelize_module calls it)",
     ("models/hf_moe.py: reads torch._grouped_mm", "models/moe.py: reads torch._grouped_mm"): TORCH_GROUPED_MM,
     ("models/hf_moe.py: reads module._apply_gate",):

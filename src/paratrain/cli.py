@@ -343,6 +343,9 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
            out: Path = typer.Option(..., "-o", "--out", help="the Hugging Face directory to write"),
            max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="largest safetensors file, e.g. 500MB"),
            dtype: str = typer.Option("fp32", "--dtype", help="the written weights' dtype: fp32 | bf16 | fp16"),
+           adapter_only: bool = typer.Option(False, "--adapter-only", help=(
+               "a LoRA run's adapters alone, as PEFT's adapter_model.safetensors + adapter_config.json (without it a "
+               "LoRA run is written merged: W + alpha/r B A)")),
            as_json: bool = AS_JSON()):
     """Write a checkpoint as safetensors: a Hugging Face directory that transformers loads (presets, and hf: models
     in their own format with their tokenizer), or a plain state dict (a custom --script model)."""
@@ -351,7 +354,12 @@ def export(ckpt: Path = typer.Argument(..., help="a checkpoint step-N/ directory
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    doc = export_checkpoint(ckpt, out, parse_size(max_shard_size), dtype)
+    if adapter_only:
+        from paratrain.convert.lora_export import export_adapter
+
+        doc = export_adapter(ckpt, out, dtype)
+    else:
+        doc = export_checkpoint(ckpt, out, parse_size(max_shard_size), dtype)
     log.info("exported %s (step %d) to %s: %s, %d tensor(s) in %d shard(s), %.1f MB", doc["checkpoint"], doc["step"],
              doc["out"], doc["architecture"], doc["tensors"], doc["shards"], doc["bytes"] / 1e6)
     if as_json:
@@ -461,12 +469,39 @@ def doctor(steps: int = MEASURED_STEPS(), warmup: int = WARMUP(default=2),
 
 
 # -- bench ---------------------------------------------------------------------------------------------------------
+# plan --inference and bench --inference (docs/inference.md)
+INFERENCE_OPTIONS = [
+    ("inference", bool, typer.Option(False, "--inference", help="generation instead of training: per layout the "
+                                                                "weights, KV cache, largest batch, time per token")),
+    ("prompt_len", Optional[int], typer.Option(None, "--prompt-len", help="with --inference: prompt tokens per "
+                                                                          "sequence (plan: default --seq-len, else "
+                                                                          "128; bench: 16)")),
+    MAX_NEW_TOKENS.noting("with --inference").param(),
+    BATCH_SIZE.noting("with --inference; plan: default the largest that fits; bench: 8").param(
+        annotation=Optional[int], default=None),
+]
+
+
+def inference_options(opts: dict) -> dict | None:
+    """The --inference options popped from `opts`: None without --inference (then none may be given)."""
+    values = {name: opts.pop(name) for name, _, _ in INFERENCE_OPTIONS}
+    if values["inference"]:
+        return values
+    stray = [name for name, _, option in INFERENCE_OPTIONS if values[name] != option.default]
+    if stray:
+        raise UserError(f"{flag_of(stray[0])} applies with --inference only")
+    return None
+
+
 BENCH_RUN_OPTIONS = ("model", "seq_len", "micro_batch", "global_batch", "dtype", "device", "timeout_s")
+BENCH_STRATEGIES, BENCH_INFERENCE_STRATEGIES = "ddp,zero2,zero3", "tp,pp,ddp"
 
 
 @app.command()
 @with_options([CONFIG.param(), *(RUN[name].param() for name in BENCH_RUN_OPTIONS)], "train_opts")
-def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help="comma-separated strategies"),
+@with_options(INFERENCE_OPTIONS, "infer_opts")
+def bench(strategies: str = typer.Option(BENCH_STRATEGIES, "--strategies", help="comma-separated strategies "
+                                         f"(with --inference the default is {BENCH_INFERENCE_STRATEGIES})"),
           nproc: str = RUN["nproc"].noting("comma-separated: one run each")(default="1,2,4"),
           steps: int = MEASURED_STEPS(),
           warmup: int = WARMUP.noting("at least 2")(default=3),
@@ -475,23 +510,42 @@ def bench(strategies: str = typer.Option("ddp,zero2,zero3", "--strategies", help
           plot: Optional[Path] = typer.Option(None, "--plot", help="write a 3-panel PNG (needs matplotlib)"),
           html: Optional[Path] = HTML(),
           as_json: bool = AS_JSON(),
-          train_opts: dict = None):
-    """Measure scaling 1 -> 2 -> 4 for several strategies: table, JSON and plots."""
+          infer_opts: dict = None, train_opts: dict = None):
+    """Measure scaling 1 -> 2 -> 4 for several strategies: table, JSON and plots (--inference: generation)."""
     setup_cli_logging()
     from paratrain.bench.scaling import markdown_table, parse_list, run_bench
 
     cfg = resolve_config(train_opts)
+    inference = inference_options(infer_opts)
+    if inference is not None:
+        layouts = BENCH_INFERENCE_STRATEGIES if strategies == BENCH_STRATEGIES else strategies
+        return bench_inference(cfg, inference, parse_list(layouts, "strategies"), parse_list(nproc, "nproc", int),
+                               plot, html, as_json)
     doc = run_bench(cfg, parse_list(strategies, "strategies"), parse_list(nproc, "nproc", int), steps, warmup,
                     scaling)
+    from paratrain.bench.bench_html import write_bench_html
+    from paratrain.bench.plot import plot_bench
+
+    report_bench(doc, markdown_table, plot_bench, write_bench_html, plot, html, as_json)
+
+
+def bench_inference(cfg, inference: dict, strategies: list[str], worlds: list[int], plot, html, as_json: bool):
+    """bench --inference: generation per layout and world size, measured next to plan --inference."""
+    from paratrain.bench.inference_bench import inference_table, run_inference_bench
+    from paratrain.bench.inference_plot import plot_inference_bench, write_inference_html
+
+    doc = run_inference_bench(cfg, strategies, worlds, inference["prompt_len"], inference["max_new_tokens"],
+                              inference["batch_size"])
+    report_bench(doc, inference_table, plot_inference_bench, write_inference_html, plot, html, as_json)
+
+
+def report_bench(doc: dict, table, draw, page, plot, html, as_json: bool) -> None:
+    """A bench document's PNG (--plot), page (--html), table (stderr) and JSON (stdout)."""
     if plot is not None:
-        from paratrain.bench.plot import plot_bench
-
-        doc["plot"] = str(plot_bench(doc, plot))
+        doc["plot"] = str(draw(doc, plot))
     if html is not None:
-        from paratrain.bench.bench_html import write_bench_html
-
-        doc["html"] = write_bench_html(doc, str(html))
-    sys.stderr.write(markdown_table(doc))
+        doc["html"] = page(doc, str(html))
+    sys.stderr.write(table(doc))
     if doc["plot"]:
         sys.stderr.write(f"plot: {doc['plot']}\n")
     if as_json:
@@ -553,6 +607,7 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     ("moe_routing", str, typer.Option("random", "--moe-routing", help="random (a trained router) | consecutive "
                                                                       "(NeMo's balanced benchmark gate): --ep's "
                                                                       "exchange")),
+    *INFERENCE_OPTIONS,
     AS_JSON.param(),
 ]
 
@@ -568,6 +623,7 @@ def plan(plan_opts: dict = None):
 
     as_json = plan_opts.pop("as_json")
     passed = {name: plan_opts.pop(name) for name in PASSED_ON}
+    inference = inference_options(plan_opts)
     request = PlanRequest.of(plan_opts)
     request = request.replace(train_flags=passed_on_flags(passed, request.dtype, request.optimizer, request.momentum))
     if request.calibrate:
@@ -584,6 +640,15 @@ def plan(plan_opts: dict = None):
             if as_json:
                 emit_json({"hardware_profile": path, **profile.to_dict()})
             return
+    if inference is not None:
+        from paratrain.plan.inference_plan import format_inference_plan, inference_document
+
+        doc = inference_document(request, inference["prompt_len"], inference["max_new_tokens"],
+                                 inference["batch_size"])
+        sys.stderr.write(format_inference_plan(doc))
+        if as_json:
+            emit_json(doc)
+        return
     from paratrain.plan.inputs.cluster import is_gpu_list
 
     if request.gpus is None and not (request.cluster or is_gpu_list(request.gpu)):

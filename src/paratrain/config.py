@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from paratrain.config_markers import CONFIG_ONLY, TRAIN_ONLY  # re-exported: cli_options.py reads them here
 from paratrain.errors import UserError
+from paratrain.lora_options import LoraFields
 from paratrain.parallel.dims import all_dims
 from paratrain.parallel.options import AC_MODES, CP_IMPLS, DEFAULT_PP_SCHEDULE, PP_SCHEDULES, one_of
 from paratrain.parallel.semi_sync.semi_sync_options import SemiSyncFields
@@ -167,8 +168,9 @@ class _WithStrategyOptions(_WithDegrees):
     pp_layers: str | None = Field(None, description="blocks per pipeline stage, e.g. 3:1")
 
 
-# then the semi-synchronous fields (parallel/semi_sync/) and the optimisation fields (training_options.py)
-class TrainConfig(TrainingOptionFields, SemiSyncFields, _WithStrategyOptions):
+# then the semi-synchronous fields (parallel/semi_sync/), the optimisation fields (training_options.py) and LoRA's
+# (lora_options.py)
+class TrainConfig(LoraFields, TrainingOptionFields, SemiSyncFields, _WithStrategyOptions):
     # checkpoints and output
     ckpt_dir: str | None = Field(None, description="checkpoint directory (default RUNDIR/checkpoints)")
     ckpt_every: int = Field(0, ge=0, description="save every N steps (0: never)")

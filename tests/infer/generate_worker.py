@@ -3,10 +3,12 @@
 # generates the same prompts on one device and under tp, dp (ddp), dp_shard (zero3) and ep, greedy (with the KV
 # cache, and under tp without) and sampled (dp, ep), and runs verify --generate's comparison clean and with a fault
 # planted through the next_token_logits hook (tests/support/generate_faults.py); the 4-rank group generates from
-# the tiny checkpoint under dp_shard 2 x tp 2 (greedy and sampled) and dp=4. tests/infer/test_generate_layouts.py
-# compares every output with one device's.
-"""run_checks(rt, root) -> {"cases": {name: [outputs]}, "new_tokens", "prompts", "verify": {"clean", "fault"}} on
-rank 0 (None elsewhere)."""
+# the tiny checkpoint under dp_shard 2 x tp 2 (greedy and sampled) and dp=4. Pipeline generation (issue 50): pp=2
+# greedy with and without the KV cache and sampled, pp 2 x dp_shard 2 greedy (4 ranks), and verify --generate under
+# pp=2 and pp 2 x dp_shard 2 (its default prompts give one replica a filler micro-batch and a filler round).
+# tests/infer/test_generate_layouts.py compares every output with one device's.
+"""run_checks(rt, root) -> {"cases": {name: [outputs]}, "new_tokens", "prompts", "verify": {"clean", "fault", "pp"}
+(4 ranks: {"pp2xdp_shard2"})} on rank 0 (None elsewhere)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ SAMPLED = GenerateOptions(NEW_TOKENS, Sampling(temperature=0.8, top_k=40, top_p=
 NO_CACHE = GenerateOptions(NEW_TOKENS, use_cache=False)
 VERIFY = GenerateOptions(8)  # the planted fault acts at step FAULT_STEP
 SINGLE = {"strategy": "single", "nproc": 1}
+PP = {"strategy": "pp"}
+PP_FSDP = {"strategy": "pp", "pp": 2, "dp_shard": 2}
 # name -> (checkpoint, layout flags, options)
 CASES = {
     2: {"single": ("tiny", SINGLE, GREEDY), "tp": ("tiny", {"strategy": "tp"}, GREEDY),
@@ -48,11 +52,14 @@ CASES = {
         "tp-no-cache": ("tiny", {"strategy": "tp"}, NO_CACHE),
         "single-sampled": ("tiny", SINGLE, SAMPLED), "dp-sampled": ("tiny", {"strategy": "ddp"}, SAMPLED),
         "moe-single": ("moe", SINGLE, GREEDY), "moe-ep": ("moe", {"strategy": "ep", "ep": 2}, GREEDY),
-        "moe-single-sampled": ("moe", SINGLE, SAMPLED), "moe-ep-sampled": ("moe", {"strategy": "ep", "ep": 2}, SAMPLED)},
+        "moe-single-sampled": ("moe", SINGLE, SAMPLED), "moe-ep-sampled": ("moe", {"strategy": "ep", "ep": 2}, SAMPLED),
+        # a batch of 4 cut into 2 micro-batches, one a stage (infer/pipeline_generate.py)
+        "pp": ("tiny", PP, GREEDY), "pp-no-cache": ("tiny", PP, NO_CACHE), "pp-sampled": ("tiny", PP, SAMPLED)},
     # against the 2-rank group's one-device outputs (the same checkpoint and prompts)
     4: {"dp_shard2xtp2": ("tiny", {"strategy": "tp", "dp_shard": 2, "tp": 2}, GREEDY),
         "dp_shard2xtp2-sampled": ("tiny", {"strategy": "tp", "dp_shard": 2, "tp": 2}, SAMPLED),
-        "dp4": ("tiny", {"strategy": "ddp"}, GREEDY)},
+        "dp4": ("tiny", {"strategy": "ddp"}, GREEDY),
+        "pp2xdp_shard2": ("tiny", PP_FSDP, GREEDY)},
 }
 
 
@@ -78,11 +85,11 @@ def generate_case(rt, step_dir: Path, layout: dict, options: GenerateOptions, pr
     return None if result is None else result["outputs"]
 
 
-def verify_run(rt, step_dir: Path, fault: bool) -> dict | None:
-    """verify --generate's comparison (dp_shard=2 against one device, its default prompts), with the fault planted
-    or not. The default prompts' lengths (6, 6, 6, 9) give rank 0 one batch and rank 1 two: rank 0 decodes a filler
-    round, its forwards joining rank 1's parameter all-gathers."""
-    cfg = source_config(rt, step_dir, {"strategy": "zero3"})
+def verify_run(rt, step_dir: Path, fault: bool, layout: dict | None = None) -> dict | None:
+    """verify --generate's comparison (default: dp_shard=2 against one device, its default prompts), with the fault
+    planted or not. The default prompts' lengths (6, 6, 6, 9) give rank 0 one batch and rank 1 two: rank 0 decodes a
+    filler round, its forwards joining rank 1's parameter all-gathers."""
+    cfg = source_config(rt, step_dir, layout or {"strategy": "zero3"})
     prompts = to_prompts(default_prompts(cfg), 256, None)
     handle = default_hooks().next_token_logits(flip_runner_up(FAULT_STEP)) if fault else None
     loaded = load_for_inference(cfg, rt)
@@ -106,5 +113,8 @@ def run_checks(rt, root: Path) -> dict | None:
         out["cases"][name] = generate_case(rt, ckpts[ckpt], layout, options, prompts)
     if rt.world_size == 2:
         out["verify"] = {"clean": verify_run(rt, ckpts["tiny"], fault=False),
-                         "fault": verify_run(rt, ckpts["tiny"], fault=True)}
+                         "fault": verify_run(rt, ckpts["tiny"], fault=True),
+                         "pp": verify_run(rt, ckpts["tiny"], fault=False, layout=PP)}
+    else:
+        out["verify"] = {"pp2xdp_shard2": verify_run(rt, ckpts["tiny"], fault=False, layout=PP_FSDP)}
     return out if rt.is_main else None

@@ -119,6 +119,9 @@ def test_text_prompts_and_the_end_of_text_token(cli_here, ckpt, tmp_path):
     (("--temperature", "0.7", "--top-p", "1.5"), "--top-p"),
     (("--max-new-tokens", "2000"), "positions"),
     (("--prompt", "hello"), "tokenizer"),
+    # pipeline generation runs one stage per rank (infer/pipeline_generate.py)
+    (("--strategy", "pp", "--nproc", "2", "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2"),
+     "one pipeline stage per rank"),
 ])
 def test_bad_generate_options_are_one_line(cli_inproc, ckpt, tmp_path, args, needle):
     prompts = () if "--prompt" in args else ("--prompts", prompts_file(tmp_path))

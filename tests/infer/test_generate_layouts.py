@@ -2,7 +2,8 @@
 moe-tiny under ep), greedy decoding of 32 new tokens for a batch of 4 in fp32 gives the tokens of one device under
 tp=2, dp=2, dp_shard=2, dp_shard 2 x tp 2 (4 ranks), dp=4 and ep=2, logprobs within 1e-4, with the KV cache and
 (tp) without; seeded sampling gives the same tokens on every layout. verify --generate's comparison passes a
-clean run and names the first divergence of a planted one.
+clean run and names the first divergence of a planted one. Issue 50: the same under pipeline stages, pp=2 (with
+the KV cache and without, sampled) and pp 2 x dp_shard 2 (4 ranks), and verify --generate passes under both.
 
 Reference: the 2-rank group's one-device generation of the same checkpoint (every rank alone). Run inside the shared
 2- and 4-rank groups (tests/infer/generate_worker.py, tests/groups.py)."""
@@ -16,8 +17,8 @@ import pytest
 from support.generate_faults import FAULT_STEP
 
 LOGPROB_ATOL = 1e-4
-GREEDY_2 = ("tp", "dp", "dp_shard", "tp-no-cache")
-SAMPLED_2 = ("dp-sampled",)  # prompts split over the ranks; tp: the 4-rank group's dp_shard 2 x tp 2
+GREEDY_2 = ("tp", "dp", "dp_shard", "tp-no-cache", "pp", "pp-no-cache")
+SAMPLED_2 = ("dp-sampled", "pp-sampled")  # prompts split over the ranks; tp: the 4-rank group's dp_shard 2 x tp 2
 
 
 def assert_same(outputs: list[dict], reference: list[dict], name: str, report: dict) -> None:
@@ -75,14 +76,27 @@ def test_four_rank_meshes_equal_one_device(four_ranks, report, cases):
     four = four_ranks["generate"]["cases"]
     assert_same(four["dp_shard2xtp2"], cases["single"], "dp_shard2xtp2", report)
     assert_same(four["dp4"], cases["single"], "dp4", report)
+    assert_same(four["pp2xdp_shard2"], cases["single"], "pp2xdp_shard2", report)
     assert_same(four["dp_shard2xtp2-sampled"], cases["single-sampled"], "dp_shard2xtp2-sampled", report)
 
 
-def test_verify_generate_passes_a_clean_layout(two_ranks):
-    clean = two_ranks["generate"]["verify"]["clean"]
+def assert_clean(clean: dict) -> None:
     assert clean["passed"] and clean["first_divergence"] is None, clean
     assert clean["tokens_compared"] == clean["prompts"] * clean["max_new_tokens"]
     assert clean["max_logprob_abs_diff"] <= clean["tolerance"]["logprob_atol"]
+
+
+def test_verify_generate_passes_a_clean_layout(two_ranks):
+    assert_clean(two_ranks["generate"]["verify"]["clean"])
+
+
+def test_verify_generate_passes_under_pipeline_stages(two_ranks, four_ranks):
+    """pp=2, and pp 2 x dp_shard 2 whose default prompts give a replica filler micro-batches."""
+    two, four = two_ranks["generate"]["verify"]["pp"], four_ranks["generate"]["verify"]["pp2xdp_shard2"]
+    assert (two["dims"]["pp"], four["dims"]["pp"], four["dims"]["dp_shard"]) == (2, 2, 2)
+    assert two["kv_cache"] and four["kv_cache"]  # each stage through its own cache
+    assert_clean(two)
+    assert_clean(four)
 
 
 def test_verify_generate_names_the_first_divergence_of_a_planted_fault(two_ranks):

@@ -33,9 +33,14 @@ EVERY_STRATEGY = {
 # the tied head (a Llama 3.2-style config): one sharded table under tp-sp, two copies summed under pp
 TIED_RUNS = ("tp-sp", "dp_shard2xtp-sp2", "pp-1f1b", "pp-interleaved")
 TIED_ONLY = ("dp_shard2xtp-sp2", "pp-interleaved")  # the untied configs run their plain forms only
-RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY if name not in TIED_ONLY] + \
+# LoRA on q_proj, v_proj (models/lora.py): the adapters placed beside transformers' own TP plan, and in pipeline stages
+LORA_RUNS = {"lora-dp_shard2xtp-sp2": {"dp_shard": 2, "tp": 2, "sp": True, "lora_r": 4},
+             "lora-pp-1f1b": {"strategy": "pp", "pp": 2, "pp_schedule": "1f1b", "microbatches": 2, "lora_r": 4}}
+EVERY_STRATEGY.update(LORA_RUNS)
+RUNS = [(model, name) for model in ("llama", "qwen2") for name in EVERY_STRATEGY
+        if name not in TIED_ONLY and name not in LORA_RUNS] + \
        [(model, name) for model in ("mistral", "gpt2") for name in ("ddp", "zero3")] + \
-       [("llama-tied", name) for name in TIED_RUNS]
+       [("llama-tied", name) for name in TIED_RUNS] + [("llama", name) for name in LORA_RUNS]
 MUTATIONS = {"dp-grad-sum": ("llama", "ddp"), "fsdp-skip-update": ("llama", "zero3"),
              "tp-row-no-reduce": ("llama", "tp"), "cp-rope-positions": ("llama", "cp-ring"),
              "tied-grad-not-summed": ("llama-tied", "pp-1f1b")}

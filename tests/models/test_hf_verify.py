@@ -43,6 +43,7 @@ def test_every_strategy_matches_one_device(runs):
     assert sorted(runs["clean"]) == sorted(f"{m}/{s}" for m, s in RUNS)
     for name, report in runs["clean"].items():
         assert report["passed"] is True and report["first_divergence"] is None, (name, report)
+        assert report["checks"].get("lora") is (True if "/lora-" in name else None), name  # verify/lora_checks.py
         # activations were compared too, module by module, and differ only by float rounding
         assert report["compared"]["activations"] is True and report["max_act_rel_diff"] < 1e-5, (name, report)
     assert runs["clean"]["llama/dp_shard2xtp2"]["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1,

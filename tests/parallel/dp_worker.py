@@ -49,7 +49,8 @@ def run_verify(rt, specs: list[dict]) -> list[dict]:
             out.append({"id": spec["id"], "world_size": rt.world_size,
                         **{k: report[k] for k in ("strategy", "dims", "dtype", "passed", "checks", "max_loss_abs_diff",
                                                   "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes",
-                                                  "expert_assignments_match")}})
+                                                  "expert_assignments_match")},
+                        "lora": report.get("lora")})
     return out
 
 

@@ -13,7 +13,7 @@ PHASE_LABELS = {"forward": "forward", "backward": "backward (+ grad sync)", "opt
                 "loss_sync": "loss all-reduce", "data_wait": "data wait", "other": "other"}
 
 
-def _matplotlib():
+def load_matplotlib():
     try:
         import matplotlib
     except ImportError:
@@ -24,7 +24,7 @@ def _matplotlib():
     return plt
 
 
-def _label(run: dict) -> str:
+def run_label(run: dict) -> str:
     return f"{run['strategy']}\nN={run['world_size']}"
 
 
@@ -67,7 +67,7 @@ def plot_memory(ax, runs: list[dict]) -> None:
     if predicted:
         ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
                    label="predicted (tensor bytes, not RSS)", zorder=3)
-    ax.set_xticks(list(xs), [_label(r) for r in runs], fontsize=8)
+    ax.set_xticks(list(xs), [run_label(r) for r in runs], fontsize=8)
     baseline = max(r.get("baseline_mem_gib", 0.0) for r in runs)
     ax.set_ylim(0, max(max(bottoms[i] + rest[i] for i in xs), 1e-9) * 1.45)  # room for the legend
     ax.set_ylabel(f"{unit} per device (peak)")
@@ -89,7 +89,7 @@ def plot_breakdown(ax, runs: list[dict], calibrated: bool | None = None) -> None
     if predicted:
         ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
                    label="predicted step" + (" (UNCALIBRATED)" if calibrated is False else ""), zorder=3)
-    ax.set_xticks(list(xs), [_label(r) for r in runs], fontsize=8)
+    ax.set_xticks(list(xs), [run_label(r) for r in runs], fontsize=8)
     tops = bottoms + [v for _, v in predicted]
     ax.set_ylim(0, max(max(tops), 1e-9) * 1.45)  # room for the legend
     ax.set_ylabel("ms per step")
@@ -98,13 +98,18 @@ def plot_breakdown(ax, runs: list[dict], calibrated: bool | None = None) -> None
 
 
 def plot_bench(doc: dict, path: str | Path) -> Path:
-    plt = _matplotlib()
+    plt = load_matplotlib()
     runs = doc["runs"]
     fig, axes = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI)
     plot_throughput(axes[0], runs)
     plot_memory(axes[1], runs)
     plot_breakdown(axes[2], runs, doc.get("prediction_calibrated"))
     fig.suptitle(f"paratrain bench: {doc.get('model')} ({doc.get('scaling')} scaling, seq {doc.get('seq_len')})")
+    return save_figure(plt, fig, path)
+
+
+def save_figure(plt, fig, path: str | Path) -> Path:
+    """Lay the panels out and write the PNG (its folder made)."""
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

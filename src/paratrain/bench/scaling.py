@@ -70,10 +70,16 @@ def run_cells(cfgs: list, world: int, warmup: int, steps: int, keep_going: bool 
     """Several cells of one world size, one after the other in one process group (the probe of `train --strategy
     auto --probe`: no start-up per layout). keep_going: a cell that fails gives {"error": ...} and the next runs."""
     args = ([c.model_dump() for c in cfgs], warmup, steps, threads_per_rank(world), keep_going)
+    return run_fresh_group(measure_cells, args, world, cfgs[0].timeout_s, f"bench {cfgs[0].strategy}")
+
+
+def run_fresh_group(entry, args: tuple, world: int, timeout_s: float, what: str):
+    """entry(*args) on `world` fresh processes, rank 0's return value. One process too: memory must not carry
+    over, and this process must not join a group (its environment would then say it runs under a launcher)."""
     if world > 1:
         from paratrain.train.launch import run_workers
 
-        return run_workers(measure_cells, args, world, 0, cfgs[0].timeout_s).get(0)
+        return run_workers(entry, args, world, 0, timeout_s).get(0)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -81,9 +87,9 @@ def run_cells(cfgs: list, world: int, warmup: int, steps: int, keep_going: bool 
     ctx.set_forkserver_preload(["torch", "paratrain.train.trainer"])  # no effect once the server runs
     with ProcessPoolExecutor(1, mp_context=ctx) as pool:
         try:
-            return pool.submit(measure_cells, *args).result()
+            return pool.submit(entry, *args).result()
         except SystemExit as exc:  # the worker printed its one-line error
-            raise UserError(f"bench {cfgs[0].strategy} on 1 process failed (exit {exc.code})") from None
+            raise UserError(f"{what} on 1 process failed (exit {exc.code})") from None
 
 
 def current_rss_gib() -> float | None:

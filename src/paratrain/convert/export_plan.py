@@ -27,11 +27,17 @@ class ExportPlan:
     finish: Callable[[Path, str], list[str]] = field(default=lambda out, dtype: [])  # -> files written besides
 
 
-def checkpoint_tensors(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{model FQN: (shape, dtype)} of every model tensor the checkpoint holds (the "model." prefix dropped)."""
+def checkpoint_tensors(step_dir: Path, adapters: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{model FQN: (shape, dtype)} of every model tensor the checkpoint holds (the "model." prefix dropped): the
+    model's own, or (adapters=True) only LoRA's adapters (`...lora_A.weight`, `...lora_B.weight`: models/lora.py),
+    which the writers merge or write apart (convert/lora_export.py)."""
     md = SafeFileSystemReader(step_dir).read_metadata().state_dict_metadata
     return {key[len("model."):]: (tuple(entry.size), entry.properties.dtype) for key, entry in md.items()
-            if key.startswith("model.") and hasattr(entry, "size")}
+            if key.startswith("model.") and hasattr(entry, "size") and is_adapter(key) == adapters}
+
+
+def is_adapter(fqn: str) -> bool:
+    return fqn.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
 def write_json(path: Path, doc: dict) -> None:

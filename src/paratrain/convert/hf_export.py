@@ -105,6 +105,20 @@ def preset_plan(step_dir: Path, manifest: dict) -> ExportPlan:
     return ExportPlan("preset", config_of(args)["architectures"][0], specs, _check_sources(step_dir, specs), finish)
 
 
+def plan_of(step_dir: Path, manifest: dict) -> ExportPlan:
+    """The writer of the checkpoint's kind of model (its base model's, under LoRA)."""
+    kind = model_kind(step_dir, manifest)
+    if kind == "hf":
+        from paratrain.convert.hf_model_export import hf_model_plan
+
+        return hf_model_plan(step_dir, manifest)
+    if kind == "custom":
+        from paratrain.convert.state_dict_export import state_dict_plan
+
+        return state_dict_plan(step_dir, manifest)
+    return preset_plan(step_dir, manifest)
+
+
 def read_tensors(step_dir: Path, shapes: dict[str, tuple], fqns: list[str]) -> dict[str, torch.Tensor]:
     """Just these model tensors of the checkpoint, full size, on CPU (DCP reassembles any sharding)."""
     sd = {"model": {fqn: torch.empty(shapes[fqn][0], dtype=shapes[fqn][1]) for fqn in fqns}}
@@ -123,17 +137,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
     safetensors_torch = require("safetensors.torch", "paratrain export")
     step_dir = find_checkpoint(ckpt)
     manifest = read_manifest(step_dir)
-    kind = model_kind(step_dir, manifest)
-    if kind == "hf":
-        from paratrain.convert.hf_model_export import hf_model_plan
+    plan = plan_of(step_dir, manifest)
+    if manifest.get("lora"):  # a LoRA run: W + (alpha / r) B A written as each adapted weight
+        from paratrain.convert.lora_merge import with_merged_adapters
 
-        plan = hf_model_plan(step_dir, manifest)
-    elif kind == "custom":
-        from paratrain.convert.state_dict_export import state_dict_plan
-
-        plan = state_dict_plan(step_dir, manifest)
-    else:
-        plan = preset_plan(step_dir, manifest)
+        plan = with_merged_adapters(plan, step_dir, manifest["lora"])
     target = DTYPES[dtype]
     shards = plan_shards(plan.specs, torch.tensor([], dtype=target).element_size(), max_shard_bytes)
     out = Path(out)
@@ -151,7 +159,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
         del loaded
         try:
             safetensors_torch.save_file(tensors, str(out / name), metadata={"format": "pt"})
-            os.chmod(out / name, _new_file_mode())
+            os.chmod(out / name, new_file_mode())
         except OSError as exc:
             raise UserError(f"cannot write {out / name}: {exc.strerror or exc}") from None
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -165,7 +173,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 
             "bytes": total, "dtype": dtype, "files": files}
 
 
-def _new_file_mode() -> int:
+def new_file_mode() -> int:
     """What open() gives a new file under the user's umask: safetensors writes its file 0600 (a private temporary
     file, renamed), unlike every other file of the export."""
     umask = os.umask(0)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from paratrain.infer.kv_cache import forward_step, new_cache, supports_cache, whole_logits
 from paratrain.infer.prompts import Prompt
-from paratrain.infer.sampling import Sampling, choose_tokens, prompt_generator, top2_gap
+from paratrain.infer.sampling import Sampling, choose_step, prompt_generator
 from paratrain.parallel.collective_hooks import collective
 from paratrain.train.step import autocast_context
 
@@ -95,9 +95,12 @@ class Decoder:
         self.parts, self.layout, self.device, self.dtype = parts, layout, device, dtype
         self.cached = use_cache and supports_cache(parts)
         self.cache, self.tokens = None, None
+        # one device: inference mode skips autograd's bookkeeping on every op; under FSDP and DTensor no_grad,
+        # since their parameters' version counters must go on counting
+        self.grad_off = torch.inference_mode if layout.world == 1 else torch.no_grad
 
     def _forward(self, fn):
-        with torch.no_grad(), autocast_context(self.device.type, self.dtype, self.dtype != "fp32"):
+        with self.grad_off(), autocast_context(self.device.type, self.dtype, self.dtype != "fp32"):
             return fn()
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -113,7 +116,7 @@ class Decoder:
         """The logits after appending `new` (batch,) to every row."""
         new = new.to(self.device)[:, None]
         if self.cached:
-            position = torch.tensor([self.cache.length], device=self.device)
+            position = torch.arange(self.cache.length, self.cache.length + 1, device=self.device)  # no host copy
             return self._forward(lambda: forward_step(self.parts, new, position, self.cache))[:, -1]
         self.tokens = torch.cat([self.tokens, new], dim=1)
         return self._whole_sequence()
@@ -133,12 +136,31 @@ class Agreement:
         self.device = device  # NCCL reduces device tensors only
 
     def any_running(self, rows: int) -> bool:
-        if self.group is None:
-            return rows > 0
-        count = torch.tensor([rows], dtype=torch.int64, device=self.device)
-        collective("generate_running", "world", "all_reduce", self.group,
-                   lambda: dist.all_reduce(count, group=self.group), (count,))
-        return int(count.item()) > 0
+        return running_anywhere(rows, self.group, "world", self.device)
+
+
+def running_anywhere(rows: int, group, group_name: str, device: torch.device) -> bool:
+    """Whether any rank of `group` (None: this rank alone) has a running row: an all-reduce of the counts."""
+    if group is None:
+        return rows > 0
+    count = torch.tensor([rows], dtype=torch.int64, device=device)
+    collective("generate_running", group_name, "all_reduce", group, lambda: dist.all_reduce(count, group=group),
+               (count,))
+    return int(count.item()) > 0
+
+
+def record_step(logits: torch.Tensor, opts: GenerateOptions, generators: list, outputs: list[Output],
+                running: list[bool], count: int) -> torch.Tensor:
+    """Step `count`'s tokens chosen from the next-token logits and appended to the rows still running (a row ends
+    at --max-new-tokens or the end-of-text token); the chosen tokens (batch,), the next step's input."""
+    chosen, tokens, logprobs, gaps = choose_step(logits, opts.sampling, generators)
+    for row, out in enumerate(outputs):
+        if running[row]:
+            out.tokens.append(tokens[row])
+            out.logprobs.append(logprobs[row])
+            out.gaps.append(gaps[row])
+            running[row] = count < opts.max_new_tokens and tokens[row] != opts.eos_id
+    return chosen
 
 
 def decode_batch(decoder: Decoder, batch: list[Prompt], opts: GenerateOptions, agreement: Agreement, hooks,
@@ -154,14 +176,7 @@ def decode_batch(decoder: Decoder, batch: list[Prompt], opts: GenerateOptions, a
     logits = decoder.prefill(tokens, tokens.shape[1] + opts.max_new_tokens)
     for count in range(1, opts.max_new_tokens + 1):
         logits = hooks.apply_next_token_logits(logits, decoder.layout) if hooks is not None else logits
-        chosen, logprobs = choose_tokens(logits, opts.sampling, gens)
-        gaps = top2_gap(logits)
-        for row, out in enumerate(outputs):
-            if running[row]:
-                out.tokens.append(int(chosen[row]))
-                out.logprobs.append(float(logprobs[row]))
-                out.gaps.append(float(gaps[row]))
-                running[row] = count < opts.max_new_tokens and out.tokens[-1] != opts.eos_id
+        chosen = record_step(logits, opts, gens, outputs, running, count)
         now = time.perf_counter()
         if real:
             (run.ttft_s if count == 1 else run.step_s).append(now - start)

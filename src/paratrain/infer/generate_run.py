@@ -14,6 +14,7 @@ import torch.distributed as dist
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.infer.generate import GenerateOptions, RankRun, generate_on_rank
+from paratrain.infer.pipeline_generate import pipeline_generate_on_rank
 from paratrain.infer.prompts import Prompt, check_lengths, decoder, to_prompts
 from paratrain.models.hf_files import is_hf_model
 from paratrain.models.presets import model_args_for
@@ -44,13 +45,17 @@ def tokenizer_of(cfg: TrainConfig) -> str | None:
 
 
 def check_generate_layout(cfg: TrainConfig) -> None:
-    """Layouts generate runs: every one without pipeline stages or context parallelism (one line otherwise)."""
+    """Layouts generate runs: every one without context parallelism, pipeline stages one per rank and without
+    sequence parallelism (one line otherwise)."""
     from paratrain.parallel.strategies import resolve_layout
     from paratrain.train.validate import world_size_for
 
     layout = resolve_layout(cfg, world_size_for(cfg))
-    if layout.splits_stages:
-        raise UserError(f"generate does not run pipeline stages ({layout.label()}): use tp, dp, ep or their meshes")
+    if layout.splits_stages and layout.virtual_stages > 1:
+        raise UserError(f"generate runs one pipeline stage per rank ({layout.label()}): give --pp-schedule 1f1b")
+    if layout.splits_stages and layout.sp:
+        raise UserError(f"generate under pipeline stages runs tp without sequence parallelism ({layout.label()}): "
+                        "drop sequence parallelism")
     if layout.splits_sequences:
         raise UserError(f"generate does not run context parallelism ({layout.label()}): a prompt is short; use tp, "
                         "dp, ep or their meshes")
@@ -93,8 +98,12 @@ def generate_rank(loaded, prompt_dicts: list[dict], options: GenerateOptions) ->
     """One rank of the run (a collective: every rank calls it): its share generated, then everything on rank 0."""
     trainer = loaded.trainer
     prompts = [Prompt.from_dict(d) for d in prompt_dicts]
-    run = generate_on_rank(loaded.model_parts, loaded.layout, trainer.rt.rank, trainer.rt.device, loaded.cfg.dtype,
-                           prompts, options, trainer.hooks)
+    if loaded.layout.splits_stages:  # each rank its stage, the stages joined by sends (infer/pipeline_generate.py)
+        run = pipeline_generate_on_rank(trainer.step_runner, loaded.layout, trainer.rt.rank, trainer.rt.device,
+                                        loaded.cfg.dtype, prompts, options, trainer.hooks)
+    else:
+        run = generate_on_rank(loaded.model_parts, loaded.layout, trainer.rt.rank, trainer.rt.device,
+                               loaded.cfg.dtype, prompts, options, trainer.hooks)
     runs = gather_runs((run, trainer.memory_gib()), loaded.layout, trainer.rt.is_main)
     if runs is None:
         return None

@@ -4,7 +4,8 @@ computes only its new tokens.
 The interface the generate loop (infer/generate.py) codes against:
 
 - `supports_cache(model_parts) -> bool`: whether this rank's model can decode with the cache. Not under pipeline
-  stages (a rank holds a part of the model), context parallelism (its ring / Ulysses attention replaced the
+  stages (a rank holds a part of the model: each stage has its own cache, `stage_supports_cache` and
+  `stage_forward`, infer/pipeline_generate.py), context parallelism (its ring / Ulysses attention replaced the
   attention), nor an MoE with a capacity factor (which copies drop depends on the whole sequence's length, so
   a token's output changes as the sequence grows); the loop then runs the cache-free full forward.
 - `new_cache(model_parts, batch, max_len, layout) -> KVCache`: an empty cache for `batch` rows of up to
@@ -51,6 +52,8 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.hf = hf_cache
+        self.padded = False  # whether a filled slot is padding: only then does a decode step need a mask
+        self.attention: list[tuple[nn.Module, int]] | None = None  # (attention module, query heads per kv head)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a step's keys and values (batch, heads, seq, head_dim) after the filled slots; every filled
@@ -126,13 +129,14 @@ def new_cache(model_parts: list[nn.Module], batch: int, max_len: int, layout) ->
     return KVCache(batch, max_len, device, hf_cache)
 
 
-def visible_keys(positions: torch.Tensor, start: int) -> torch.Tensor | None:
+def visible_keys(positions: torch.Tensor, start: int, padded: bool = True) -> torch.Tensor | None:
     """(batch, 1, seq, slots) bool: a query (slot start + i) sees the filled non-padding slots at positions up to
     its own, and a padding query sees itself (a row of nothing would give NaN, and NaN spreads through values).
     None where no row has padding and plain attention is the same: the first step (causal, the cache-free forward's
-    own kernel) or one new token (it sees every filled slot)."""
+    own kernel) or one new token (it sees every filled slot). `padded` False: the caller knows no slot is padding
+    (KVCache.padded), so no look at the positions."""
     slots = positions.shape[1]
-    if (start == 0 or slots - start == 1) and not bool((positions == PADDING).any()):
+    if (start == 0 or slots - start == 1) and not (padded and bool((positions == PADDING).any())):
         return None
     queries = positions[:, start:]
     seen = (positions[:, None, :] != PADDING) & (positions[:, None, :] <= queries[:, :, None])
@@ -154,17 +158,18 @@ def cached_sdpa(cache: KVCache, layer: int, groups: int, mask: torch.Tensor | No
 
 @contextlib.contextmanager
 def attention_over(cache: KVCache, model: nn.Module, mask: torch.Tensor | None):
-    """Every attention module's hook pointed at the cache for one forward, then put back."""
-    modules = attention_modules(model)
-    saved = [m.attn_fn for m in modules]
-    for layer, m in enumerate(modules):
+    """Every attention module's hook pointed at the cache for one forward, then put back. The modules are looked up
+    at the cache's first step (a walk of the whole module tree each step costs a decode step real time)."""
+    if cache.attention is None:
         # kv heads repeated for grouped-query attention: query heads per kv head (a ratio tp sharding keeps)
-        groups = m.wq.out_features // m.wk.out_features
+        cache.attention = [(m, m.wq.out_features // m.wk.out_features) for m in attention_modules(model)]
+    saved = [m.attn_fn for m, _ in cache.attention]
+    for layer, (m, groups) in enumerate(cache.attention):
         m.attn_fn = functools.partial(cached_sdpa, cache, layer, groups, mask)
     try:
         yield
     finally:
-        for m, fn in zip(modules, saved, strict=True):
+        for (m, _), fn in zip(cache.attention, saved, strict=True):
             m.attn_fn = fn
 
 
@@ -173,22 +178,53 @@ def whole_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
+def stage_supports_cache(stage: nn.Module) -> bool:
+    """Whether one pipeline stage (a carved paratrain model, through its wrappers) can decode with the cache: it
+    has attention layers with the hook, all plain causal attention, and no MoE capacity (as supports_cache)."""
+    modules = attention_modules(stage)
+    return bool(modules) and all(m.attn_fn is causal_sdpa for m in modules) and \
+        not any(getattr(m, "capacity_factor", 0) > 0 for m in stage.modules())
+
+
+def _claim_slots(cache: KVCache, positions: torch.Tensor) -> tuple[int, int]:
+    """(start, stop): the slots a step of positions (batch, seq) fills, their positions recorded. A step of one token
+    a row extends rows and is never padding (the decode loop's steps: no look at its position, no host sync)."""
+    start, stop = cache.length, cache.length + positions.shape[1]
+    if stop > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} tokens; this step would fill {stop}")
+    cache.positions[:, start:stop] = positions
+    if positions.shape[1] > 1 and not cache.padded:
+        cache.padded = bool((positions == PADDING).any())
+    return start, stop
+
+
+@torch.no_grad()
+def stage_forward(stage: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One pipeline stage's forward through its own cache: `inputs` (batch, seq) token ids on the first stage,
+    (batch, seq, dim) hidden states after it; the stage's output (hidden states, or the last stage's logits)."""
+    batch, seq = inputs.shape[:2]
+    positions = positions.to(inputs.device).expand(batch, seq)
+    start, stop = _claim_slots(cache, positions)
+    with attention_over(cache, stage, visible_keys(cache.positions[:, :stop], start, cache.padded)):
+        out = stage(inputs, positions=positions.clamp(min=0))
+    cache.length = stop
+    return out
+
+
 @torch.no_grad()
 def forward_step(model_parts: list[nn.Module], tokens: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache) -> torch.Tensor:
     part = model_parts[0]  # through its wrappers: FSDP's hooks gather the root's parameters
     batch, seq = tokens.shape
     positions = positions.to(tokens.device).expand(batch, seq)
-    start, stop = cache.length, cache.length + seq
-    if stop > cache.max_len:
-        raise ValueError(f"the cache holds {cache.max_len} tokens; this step would fill {stop}")
-    cache.positions[:, start:stop] = positions
+    start, stop = _claim_slots(cache, positions)
     seen_at = positions.clamp(min=0)
     if cache.hf is not None:
         filled = (cache.positions[:, :stop] != PADDING).long()
         logits = part(tokens, seen_at, cache=cache.hf, attention_mask=filled)
     else:
-        with attention_over(cache, whole_model(model_parts), visible_keys(cache.positions[:, :stop], start)):
+        with attention_over(cache, whole_model(model_parts), visible_keys(cache.positions[:, :stop], start,
+                                                                          cache.padded)):
             logits = part(tokens, positions=seen_at)
     cache.length = stop
     return whole_logits(logits)

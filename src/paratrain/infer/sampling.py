@@ -96,3 +96,20 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """(batch,) the difference between each row's two largest logits (verify: a near-tie may flip)."""
     top = torch.topk(logits.detach().float().cpu(), 2, dim=-1).values
     return top[:, 0] - top[:, 1]
+
+
+def choose_step(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator | None]
+                ) -> tuple[torch.Tensor, list[int], list[float], list[float]]:
+    """One decode step's choice for every row of (batch, vocab) logits: the tokens (batch,) as a tensor, the next
+    step's input, and as lists what the outputs record: the tokens, their logprobs and the top-2 gaps. Greedy
+    decoding stays on the logits' device and brings the three lists to the host in one copy (the same numbers as
+    choose_tokens and top2_gap)."""
+    if not sampling.greedy:
+        tokens, logprobs = choose_tokens(logits, sampling, generators)
+        return tokens, tokens.tolist(), logprobs.tolist(), top2_gap(logits).tolist()
+    logits = logits.detach().float()
+    tokens = logits.argmax(-1)
+    logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    top = torch.topk(logits, 2, dim=-1).values
+    host = torch.stack([tokens.double(), logprobs.double(), (top[:, 0] - top[:, 1]).double()]).cpu().tolist()
+    return tokens, [int(t) for t in host[0]], host[1], host[2]

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from paratrain.errors import UserError
 from paratrain.models.hf_files import config_value
+from paratrain.models.lora import ADAPTER_MODULES
 from paratrain.models.tp_styles import ReplicateParallel, TiedColwiseParallel, VocabParallelEmbedding
 
 # transformers' style names we translate; the first four split a linear (their parents gather the sequence under SP)
@@ -169,6 +170,8 @@ def hf_tp_plan(model: nn.Module, tp: int, sp: bool = False, loss_parallel: bool 
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if not own or module is head or module is embedding or _covered(name, plan):
+            continue
+        if name.rsplit(".", 1)[-1] in ADAPTER_MODULES:  # LoRA's: placed with their base linear (models/lora_tp.py)
             continue
         if isinstance(module, nn.Embedding):  # e.g. learned positions: whole on every rank
             plan[_wildcard(name)] = ReplicateParallel()

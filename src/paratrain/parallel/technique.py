@@ -114,3 +114,17 @@ class Technique:
         """Exposed seconds this technique adds to one step, by breakdown key (`plan --json`'s
         time_breakdown_s); `ranks`: every pipeline stage rank's priced chunks, `busy`: the micro-batch slots."""
         return {}
+
+    # -- generation (`plan --inference`, plan/inference_cost.py) ---------------------------------------------------
+    # what this technique's degree does to generation: "heads" (each layer's heads and matrices split), "stages"
+    # (the layers split into stages a token passes in turn), "replicas" (whole copies, each with its own rows)
+    inference_role: str = ""
+
+    def inference_problem(self, args, degree: int) -> str | None:
+        """Why the model cannot be split `degree` ways for generation (None: it can)."""
+        return None
+
+    def inference_comm_s(self, args, degree: int, rows: int, act_bytes: int, link: tuple[float, float]) -> float:
+        """Seconds of this technique's communication in one forward of `rows` tokens (one a row when decoding);
+        `link`: (bytes per second, seconds per hop)."""
+        return 0.0

@@ -201,7 +201,8 @@ class PipelineStep:
 
     def build_optimizers(self, cfg) -> list:
         """One optimizer per model part, so checkpoints pair each part with its own optimizer state."""
-        return [build_run_optimizer(list(part.parameters()), cfg, self.device.type) for part in self.model_parts]
+        return [build_run_optimizer([p for p in part.parameters() if p.requires_grad or not cfg.lora_r], cfg,
+                                    self.device.type) for part in self.model_parts]
 
     def after_optimizer_step(self) -> None:
         run_after_optimizer_step(self.model_parts)

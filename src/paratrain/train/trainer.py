@@ -19,6 +19,8 @@ from paratrain.models.hf_files import is_hf_model
 from paratrain.models.hf_model import build_hf_model
 from paratrain.models.hf_pipeline import pipeline_view
 from paratrain.models.hf_tp_plan import hf_tp_plan
+from paratrain.models.lora import attach_lora, lora_spec_for
+from paratrain.models.lora_tp import with_adapter_styles
 from paratrain.models.plans import tp_plan_for
 from paratrain.models.presets import build_model, flops_per_token, model_args_for
 from paratrain.models.speed import model_speed_for
@@ -103,6 +105,9 @@ class Trainer:
             from paratrain.interop.hf_import import load_hf_weights
 
             load_hf_weights(model, cfg.init_from, self.args)
+        self.lora = lora_spec_for(cfg, self.hf)  # --lora-r: adapters on the targets, the base frozen (models/lora.py)
+        if self.lora is not None:
+            attach_lora(model, self.lora, cfg.seed)
         model = model.to(runtime.device)
         if cfg.dtype == "fp8":  # before parallelize, so FSDP and compile see the float8 linears
             from paratrain.train.float8 import convert_to_float8
@@ -111,7 +116,9 @@ class Trainer:
         self.tf32 = enable_tf32(runtime.device_type, cfg.dtype, cfg.tf32)
         self.scaler = loss_scaler(cfg, runtime.device_type)
         self.step_runner = self._build_step_runner(model)
-        self.params = [p for part in self.step_runner.model_parts for p in part.parameters()]
+        # under LoRA the optimizer holds the adapters alone (the frozen base gets no state)
+        self.params = [p for part in self.step_runner.model_parts for p in part.parameters()
+                       if p.requires_grad or self.lora is None]
         self.optimizers = self._build_optimizers()
         # --semi-sync: the islands' global copy and outer step, after the inner optimizer's (parallel/semi_sync/)
         # (a --heal-replicas island, one process of its own, gets its outer loop from its healer: island_heal.py)
@@ -166,7 +173,8 @@ class Trainer:
             functools.partial(hf_tp_plan if self.hf else tp_plan_for, tp=layout.tp, sp=layout.sp)
 
         def plan_for(model, **options):
-            return self.hooks.apply_tp_plan(model, base(model, **options))
+            plan = self.hooks.apply_tp_plan(model, base(model, **options))
+            return with_adapter_styles(model, plan) if self.lora is not None else plan
 
         return plan_for
 
@@ -292,7 +300,8 @@ class Trainer:
             extra["scaler"] = self.scaler.state_dict()
         meta = {"model_fingerprint": self.fingerprint, "model": self.model_meta, "world_size": self.layout.world,
                 "dims": self.layout.degrees(), "strategy": self.cfg.strategy, "run_id": self.run_id,
-                "model_source": ckpt.model_source(self.cfg.model, self.custom, self.cfg.tokenizer)}
+                "model_source": ckpt.model_source(self.cfg.model, self.custom, self.cfg.tokenizer),
+                "lora": self.lora.to_dict() if self.lora is not None else None}
         self.last_checkpoint = ckpt.save(self.ckpt_dir(), self.step, self.state, extra, meta, self.cfg.keep_ckpts)
         return self.last_checkpoint
 

@@ -8,6 +8,7 @@ import os
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.models.hf_files import is_hf_model, read_hf_config
+from paratrain.models.lora import lora_spec_for
 from paratrain.models.presets import model_args_for
 from paratrain.models.speed import model_speed_for
 from paratrain.parallel.checks import check_layout
@@ -64,6 +65,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> Layout:
 
         check_deepspeed_batch(cfg.deepspeed, cfg.global_batch, cfg.micro_batch, layout.dp)
     check_bf16_param_copies(cfg, layout)
+    lora_spec_for(cfg, hf=is_hf_model(cfg.model))  # --lora-* refusals before any process starts (models/lora.py)
     make_train_data(cfg, args.vocab_size).check()
     from paratrain.train.evaluate import build_validator
 

@@ -25,6 +25,7 @@ from paratrain.verify.compare import (
     nanmax,
     set_aside_summary,
 )
+from paratrain.verify.lora_checks import LoraChecks, first_logits_match_base, lora_result
 from paratrain.verify.recorder import Fingerprints, clean_name, full_tensors  # noqa: F401 (re-exported)
 from paratrain.verify.routing_match import RoutingCheck, routing_of
 
@@ -183,6 +184,7 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
     trainer = Trainer(cfg, rt, quiet=True)
     tp_rank = trainer.layout.coords(rt.rank)["tp"] if trainer.distributed else 0
     recorder = Recorder(trainer, tp_rank, fingerprints)
+    lora = LoraChecks(trainer) if trainer.lora is not None else None
     report = Report(cfg, trainer.layout, tol, reference, floor) if rt.is_main else None
     if report is not None:
         report.model_parts = len(trainer.step_runner.model_parts)
@@ -196,6 +198,14 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
             report.add(step, everyone)
     recorder.close()
     extra = trainer.verify_extras()
+    if lora is not None:  # the frozen base, its gradients and optimizer state on every rank (verify/lora_checks.py)
+        records = [lora.finish()]
+        if trainer.distributed:
+            mine, records = records[0], [None] * dist.get_world_size() if rt.is_main else None
+            dist.gather_object(mine, records, dst=0)
+        if report is not None:
+            extra["lora"] = lora_result(records, first_logits_match_base(trainer))
+            report.checks["lora"] = extra["lora"]["passed"]
     if report is None:
         return None
     return report.result(extra)

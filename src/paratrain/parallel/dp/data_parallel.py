@@ -219,8 +219,11 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
     if embedding is not None and not tied:
         fully_shard(embedding, reshard_after_forward=reshard_after_forward, **kwargs)
     layers = getattr(model, "layers", None)
-    for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or ()):
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or ())
+    for block in blocks:
+        shard_own_groups(block, reshard_after_forward, kwargs)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    shard_own_groups(model, reshard_after_forward, kwargs)  # those outside the blocks
     if head:
         fully_shard([embedding, *head] if tied else head, reshard_after_forward=False, **kwargs)
     # explicit: since torch 2.8 a root given True reshards too (pytorch#154704); before, FSDP2 kept it gathered
@@ -232,6 +235,17 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True, mp_po
     log.info("applied FSDP2 (%s) over mesh %s%s%s", kind, shape,
              ", bf16 params / fp32 reduce" if mp_policy is not None else "", ", CPU offload" if offload else "")
     return model
+
+
+def shard_own_groups(module: nn.Module, reshard_after_forward: bool, kwargs: dict) -> None:
+    """The submodules of `module` that ask for a group apart (`fsdp_own_group`: LoRA's trainable adapters beside a
+    frozen base, models/lora.py) sharded as one group: FSDP2 then never mixes trainable and frozen parameters in
+    one group, and the frozen groups reduce nothing."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    own = [m for m in module.modules() if getattr(m, "fsdp_own_group", False) and not isinstance(m, FSDPModule)]
+    if own:
+        fully_shard(own, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
 def shares_parameters(module: nn.Module, others: list[nn.Module]) -> bool:

@@ -10,6 +10,7 @@ from paratrain.parallel.technique import Technique
 class DataParallel(Technique):
     apply_order = 60
     family_rank = 10
+    inference_role = "replicas"
 
     def family_of(self, layout) -> str:
         return "FSDP" if layout.fsdp else "DDP/ZeRO-1" if layout.dp > 1 else ""

@@ -70,6 +70,15 @@ class PipelineParallel(Technique):
         check_pp(args, layout, seq_len)
 
     search_order = 3
+    inference_role = "stages"
+
+    def inference_problem(self, args, degree: int) -> str | None:
+        return f"{degree} stages exceed the model's {args.n_layers} layers" if degree > args.n_layers else None
+
+    def inference_comm_s(self, args, degree: int, rows: int, act_bytes: int, link: tuple[float, float]) -> float:
+        """The hidden states sent across each of the degree - 1 stage boundaries."""
+        bw, hop = link
+        return (degree - 1) * (rows * args.dim * act_bytes / bw + hop)
 
     def search_options(self, degrees: dict[str, int], fixed: dict, dims: tuple) -> list[dict]:
         if degrees["pp"] == 1:

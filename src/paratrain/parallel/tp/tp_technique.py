@@ -76,6 +76,23 @@ class TensorParallel(Technique):
                        "paratrain's runtime does not run async TP")
         return out
 
+    inference_role = "heads"
+
+    def inference_problem(self, args, degree: int) -> str | None:
+        try:
+            check_tp_divides(args, degree)
+        except UserError as exc:
+            return str(exc)
+        return None
+
+    def inference_comm_s(self, args, degree: int, rows: int, act_bytes: int, link: tuple[float, float]) -> float:
+        """Two ring all-reduces per layer (the attention's and the MLP's outputs) and the vocab shards' gather of
+        the fp32 logits."""
+        bw, hop = link
+        reduce = 2 * (degree - 1) / degree * rows * args.dim * act_bytes / bw + 2 * (degree - 1) * hop
+        gather = (degree - 1) / degree * rows * args.vocab_size * 4 / bw + (degree - 1) * hop
+        return 2 * args.n_layers * reduce + gather
+
     def adjust_chunk(self, p, chunk) -> None:
         # async TP (torch's micro-pipelined TP) needs compile and SP
         if p.async_tp and p.layout.compile and p.layout.sp and self.enabled(p.layout):
