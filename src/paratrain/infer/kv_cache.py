@@ -92,9 +92,7 @@ def supports_cache(model_parts: list[nn.Module]) -> bool:
         return False
     if hasattr(model, "use_attention"):  # transformers: under context parallelism it attends through our kernels
         return model.hf.can_generate() and not getattr(model, "attention_takes_documents", False)
-    if any(getattr(m, "capacity_factor", 0) > 0 for m in model.modules()):
-        return False
-    return all(m.attn_fn is causal_sdpa for m in attention_modules(model))
+    return stage_supports_cache(model)
 
 
 def model_positions(model: nn.Module) -> int | None:
@@ -179,8 +177,8 @@ def whole_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def stage_supports_cache(stage: nn.Module) -> bool:
-    """Whether one pipeline stage (a carved paratrain model, through its wrappers) can decode with the cache: it
-    has attention layers with the hook, all plain causal attention, and no MoE capacity (as supports_cache)."""
+    """Whether a paratrain model, or one pipeline stage of it (through its wrappers), can decode with the cache: it
+    has attention layers with the hook, all plain causal attention, and no MoE capacity."""
     modules = attention_modules(stage)
     return bool(modules) and all(m.attn_fn is causal_sdpa for m in modules) and \
         not any(getattr(m, "capacity_factor", 0) > 0 for m in stage.modules())
