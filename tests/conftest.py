@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,3 +119,40 @@ def four_ranks(tmp_path_factory, two_ranks, ckpt_dir, eval_ckpts, generate_ckpts
             "generate": str(generate_ckpts)}  # tests/infer/generate_worker.py's (the 2-rank group's checkpoints)
     return launch(4, spec, tmp_path_factory.mktemp("dp4"), timeout=500)
 
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test starts from the session's environment: an in-process run (cli_here, a one-rank runtime) may leave a
+    launcher's RANK / WORLD_SIZE behind, and with two workers the next test on that worker is anyone's."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# -- two pytest workers (pytest-xdist; pyproject's addopts: -n 2) ---------------------------------------------------
+# a test file that names one of these reads the shared 2- and 4-rank groups (groups.py)
+SHARED_GROUP_FIXTURES = re.compile(r"\b(two_ranks|four_ranks|eval_ckpts|generate_ckpts)\b")
+
+
+@functools.cache
+def reads_shared_groups(path: Path) -> bool:
+    return path.suffix == ".py" and bool(SHARED_GROUP_FIXTURES.search(path.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to a worker (a file's module fixtures built once), and every file that reads the shared groups
+    to one worker, as one unit scheduled first (the largest): the groups launch once on each worker that asks for
+    them, and they are the suite's longest setup. (xdist's --dist loadgroup marks are lost under pytest 9.2, which
+    no longer reads the node id xdist rewrites.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedGroupsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "shared-groups" if reads_shared_groups(config.rootpath / path) else path
+
+    return SharedGroupsTogether(config, log)

@@ -58,7 +58,11 @@ VERIFY = {
         # --fused-loss: the loss inside GPT-2's tied head, whose weight FSDP makes whole in that unit's forward
         {"id": "speed-fused-loss-gpt2-zero3", "strategy": "zero3", "model": "gpt2-tiny", "fused_loss": True,
          "steps": 3},
-        *LORA2],
+        *LORA2,
+        # --semi-sync: 2 one-rank islands against them simulated on one device (verify/semi_sync_parity.py), with
+        # fragments, an overlapped sync and int4 outer gradients (2 x 2 islands: tests/parallel/semi_sync_worker.py)
+        {"id": "semi-sync-islands2", "strategy": "ddp", "dp_replicate": 2, "semi_sync": "streaming-diloco",
+         "sync_every": 4, "fragments": 2, "fragment_delay": 1, "outer_dtype": "int4", "steps": 6}],
     4: [*ZERO,
         {"id": "hsdp", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2},
         {"id": "hsdp-tied", "strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2, "model": "gpt2-tiny"},

@@ -21,6 +21,7 @@ import typer
 
 from paratrain.cli_options import OptionSpec, run_options, shared_run_options, with_options
 from paratrain.errors import CheckFailed, UserError, flag_of
+from paratrain.lora_options import LORA_FIELDS
 from paratrain.parallel.dims import all_dims
 from paratrain.plan.passed_on import PASSED_ON
 
@@ -577,6 +578,8 @@ PLAN_OPTIONS: list[tuple[str, object, object]] = [
     RUN["momentum"].noting("sgd with momentum keeps one state per parameter, without none").param(),
     *[RUN[name].noting("prices nothing; passed on to the candidates' train commands").param()
       for name in PASSED_ON],
+    *[RUN[name].noting("priced: the base frozen, the adapters' gradients and optimizer state").param()
+      for name in LORA_FIELDS],
     ("top", int, typer.Option(10, "--top", help="candidates to list")),
     ("search", str, typer.Option("fast", "--search", help="fast (prune layouts that cannot win) | full (refine "
                                                           "every layout)")),

@@ -143,8 +143,8 @@ class _RunFields(BaseModel):
     max_restarts: int = Field(0, ge=0, description="elastic restarts after a failure")
     # train/recovery/replica_heal.py; needs torchft
     heal_replicas: bool = Field(False, description=(
-        "ddp: the other replicas train on when one is lost; a restarted one copies a live replica's state "
-        "(docs/reliability.md)"))
+        "ddp replicas, hsdp's replicate groups or --semi-sync islands: the others train on when one is lost; a "
+        "restarted one copies a live one's state (docs/reliability.md)"))
 
 
 # the degrees, one field per parallel dimension (parallel/dims.py): None means "derived from the strategy"

@@ -46,3 +46,6 @@ class LoraFields(BaseModel):
     def lora_target_names(self) -> tuple[str, ...] | None:
         """--lora-targets as names, or None: the model family's default."""
         return parse_targets(self.lora_targets) if self.lora_targets else None
+
+
+LORA_FIELDS = tuple(LoraFields.model_fields)  # their names, in the flags' order (plan takes them too)

@@ -76,6 +76,16 @@ def test_bad_lora_flag_exits_2_with_one_line(cli_inproc, flags, needle):
     assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "tp"])
+def test_verify_refuses_adapter_dropout_in_one_line(cli_inproc, strategy):
+    """Dropout's masks come from each rank's random stream: no layout draws the reference's (measured: ddp and tp
+    at --lora-dropout 0.1 diverge in the adapters' gradients from step 1), so verify says so before any rank starts."""
+    result = cli_inproc("verify", "--strategy", strategy, "--nproc", "2", "--lora-r", "4", "--lora-dropout", "0.1",
+                        "--device", "cpu")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "verify refuses --lora-dropout 0.1" in result.stderr and "--lora-dropout 0" in result.stderr
+
+
 def test_tp_styles_place_the_adapters_as_torchtitan():
     """Column-parallel base: A replicated, B Shard(0); row-parallel: A Shard(1), B replicated (a 1-rank tp mesh)."""
     from torch.distributed.device_mesh import init_device_mesh

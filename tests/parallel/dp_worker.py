@@ -50,7 +50,7 @@ def run_verify(rt, specs: list[dict]) -> list[dict]:
                         **{k: report[k] for k in ("strategy", "dims", "dtype", "passed", "checks", "max_loss_abs_diff",
                                                   "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes",
                                                   "expert_assignments_match")},
-                        "lora": report.get("lora")})
+                        "lora": report.get("lora"), "semi_sync": report.get("semi_sync")})
     return out
 
 

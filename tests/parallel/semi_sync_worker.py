@@ -148,8 +148,26 @@ def resume_restores_outer_loop(rt, folder: str) -> dict:
     return out
 
 
+def verify_islands(rt) -> dict:
+    """verify --semi-sync on 2 x 2 islands (FSDP inside each) against the islands simulated on one device
+    (verify/semi_sync_parity.py): a clean run, and one whose outer all-reduce leaves island 1 out (a planted fault,
+    tests/support/faults.py (j)), which must fail."""
+    from paratrain.verify.parity import verify_in_group
+    from support.faults import planted
+
+    cfg = config(rt, **ISLANDS_2X2, semi_sync="diloco", sync_every=2, steps=4)
+    clean = verify_in_group(cfg, rt)
+    with planted("semi-sync-skip-island"):
+        faulty = verify_in_group(cfg, rt)
+    if not rt.is_main:
+        return {}
+    return {"verify_clean": {k: clean[k] for k in ("passed", "checks", "semi_sync", "margins", "first_divergence")},
+            "verify_faulty": {k: faulty[k] for k in ("passed", "checks", "first_divergence")}}
+
+
 def run_checks(rt, folder: str) -> dict:
     out = {}
+    out.update(verify_islands(rt))
     out.update(reductions_to_ddp(rt))
     out.update(reduction_to_local_sgd(rt, os.path.join(folder, "warmup")))
     out.update(streaming_one_fragment(rt))

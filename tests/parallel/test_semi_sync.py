@@ -5,8 +5,10 @@ inner optimizer (--optimizer sgd, --grad-clip 0), H = 1 with an outer SGD of lr 
 one-rank islands is --local-sgd-period k after the same DDP warm-up; Streaming DiLoCo with one fragment and no delay
 is DiLoCo. Each comes with a neighbour that must differ (the default outer Nesterov step, a sync off the schedule,
 two fragments), so the comparisons can fail. A resume mid-way through an overlapped int4 all-reduce restores the
-global copy, the outer momentum and the inner step exactly. Here, in-process: the outer all-reduce's encodings, the
-fragment schedule, and the one-line refusals.
+global copy, the outer momentum and the inner step exactly. verify --semi-sync passes 2 one-rank islands (the
+2-rank group) and 2 x 2 islands (the 4-rank group) against their simulation on one device and fails a planted
+outer-step fault. Here, in-process: the outer all-reduce's encodings, the fragment schedule, and the one-line
+refusals.
 """
 
 from __future__ import annotations
@@ -105,9 +107,45 @@ def test_what_semi_sync_cannot_run_is_refused_in_one_line(cli_inproc, args, mess
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
-def test_verify_refuses_semi_sync(cli_inproc):
-    result = cli_inproc("verify", "--device", "cpu", "--nproc", "2", "--dp-replicate", "2", "--semi-sync", "diloco")
-    assert result.returncode == 2 and "verify refuses --semi-sync diloco" in result.stderr, result.stderr
+def test_verify_passes_islands_against_their_one_device_simulation(two_ranks, four_ranks):
+    """Reference: the islands simulated on one device (verify/semi_sync_parity.py). 2 one-rank islands with two
+    fragments, a delay and int4 outer gradients match it bit for bit; 2 x 2 islands (FSDP inside) within verify's
+    fp32 tolerances, every rank's gradients and parameters and the global copies after each sync."""
+    from groups import verified
+
+    one_rank = verified(two_ranks, "semi-sync-islands2")
+    assert one_rank["passed"] and one_rank["checks"]["global_params"], one_rank
+    assert one_rank["semi_sync"]["syncs"] == 3 and one_rank["semi_sync"]["outer_dtype"] == "int4"
+    assert one_rank["max_grad_rel_diff"] == 0 and one_rank["max_param_abs_diff"] == 0
+    assert one_rank["semi_sync"]["max_global_param_rel_diff"] == 0
+    clean = four_ranks["semi_sync"]["verify_clean"]
+    assert clean["passed"] and all(clean["checks"].values()) and clean["first_divergence"] is None, clean
+    assert clean["semi_sync"]["syncs"] == 2 and clean["semi_sync"]["max_global_param_rel_diff"] > 0  # compared
+    assert clean["margins"]["global_params"] > 10, clean["margins"]
+
+
+def test_verify_catches_an_island_left_out_of_the_outer_step(four_ranks):
+    """A planted fault (tests/support/faults.py (j)): island 1 sends zeros into the outer all-reduce. The islands'
+    inner steps still match up to the first sync (step 2); there the global parameters differ."""
+    faulty = four_ranks["semi_sync"]["verify_faulty"]
+    assert not faulty["passed"] and not faulty["checks"]["global_params"], faulty
+    first = faulty["first_divergence"]
+    assert first["step"] == 2 and first["differs"] == "global_params" and first["ranks"] == [0, 1, 2, 3], first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "4", "--strategy", "hsdp", "--dp-replicate", "2", "--dp-shard", "2", "--outer-dtype", "int8"],
+     "verify --semi-sync diloco --outer-dtype int8: islands of 2 ranks encode their local shards"),
+    (["--nproc", "2", "--dp-replicate", "2", "--steps", "3"],
+     "verify --semi-sync diloco: the first sync comes after step 4, so 3 steps would verify no outer step"),
+    (["--nproc", "2", "--dp-replicate", "2", "--dtype", "bf16"],
+     "verify --semi-sync diloco compares at fp32's tolerances: run it with --dtype fp32"),
+])
+def test_verify_refuses_what_it_cannot_compare_for_islands(cli_inproc, args, message):
+    result = cli_inproc("verify", "--device", "cpu", "--semi-sync", "diloco", "--sync-every", "4", "--steps", "4",
+                        *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
 
 
 def test_a_malformed_semi_sync_record_makes_the_checkpoint_incomplete(tmp_path):

@@ -28,6 +28,14 @@ def test_heal_replicas_refuses_degrees_once_before_any_replica_starts(cli_inproc
                    "--out", str(tmp_path / "run"))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "error: --heal-replicas runs whole-model replicas, one device each, and takes no parallel degree "
-        "(got --dp-replicate 3): ask for 3 replicas with --strategy ddp --nproc 3"]
+        "error: --heal-replicas runs whole-model replicas, one device each, or hsdp's replicate groups, and takes no "
+        "other parallel degree (got --dp-replicate 3): ask for 3 replicas with --strategy ddp --nproc 3"]
+    assert not (tmp_path / "run").exists()
+    # hsdp heals its replicate groups of --dp-shard ranks, and nothing more inside them
+    r = cli_inproc("train", "--heal-replicas", "--strategy", "hsdp", "--dp-replicate", "2", "--dp-shard", "2",
+                   "--tp", "2", "--nproc", "8", "--global-batch", "16", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --heal-replicas heals hsdp's replicate groups, each FSDP over --dp-shard ranks and no other degree "
+        "(got --tp 2): drop it, or heal whole replicas with --strategy ddp"]
     assert not (tmp_path / "run").exists()

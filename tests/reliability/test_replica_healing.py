@@ -32,6 +32,19 @@ def step_log(path: Path) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in line.split()) for line in path.read_text().splitlines()]
 
 
+def with_sockets_at_kill(sampled: dict, marks: Path) -> dict:
+    """The run's listening sockets by process: sampled from outside every 0.1 s, plus what each process the fault
+    plugin SIGKILLed recorded of its own just before (support/replica_faults.py). The killed replica's first process
+    lives from its manager's start to its kill only (3 steps), and on a loaded machine one sample of the whole tree
+    (every process's descriptors and the machine's TCP tables) can take longer than that: the watcher never saw it
+    (a flake: 3 of the 4 replica processes seen)."""
+    merged = {pid: set(found) for pid, found in sampled.items()}
+    for record in marks.glob("listening-*.json"):
+        pid = int(record.stem.split("-")[1])
+        merged.setdefault(pid, set()).update(tuple(entry) for entry in json.loads(record.read_text()))
+    return merged
+
+
 @pytest.mark.timeout(180)
 def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
     marks = tmp_path / "marks"
@@ -43,7 +56,7 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
                      "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--seq-len", "32", "--timeout-s",
                      "60", "--out", str(tmp_path / "run"), "--json"], cwd=tmp_path, env=env, timeout=150, watch=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    sockets = run.listeners_by_process
+    sockets = with_sockets_at_kill(run.listeners_by_process, marks)
     # every socket the run listened on, in every process of it and all through the heal, is on loopback, except
     # each replica's torchft manager server: one socket on [::] per replica process (torchft binds it there and
     # offers no option; docs/reliability.md). The peer's state travels over the replicas' process group, with no
@@ -52,6 +65,8 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
     assert beyond and all(len([a for a, _ in found if not is_loopback(a)]) == 1 for found in beyond.values()), sockets
     assert all(a == "::" for found in beyond.values() for a, _ in found if not is_loopback(a)), sockets
     assert len(beyond) >= REPLICAS + 1  # the 3 first replica processes and the replacement
+    (killed,) = [int(p.stem.split("-")[1]) for p in marks.glob("listening-*.json")]
+    assert killed in beyond, sockets  # the lost process's own record: its manager's socket, and only that, on [::]
     assert any(is_loopback(a) for found in sockets.values() for a, _ in found)  # the lighthouse, the stores
     summary = run.json()
     assert summary["steps"] == STEPS and summary["replica_restarts"] == 1
@@ -112,31 +127,113 @@ def test_lost_replica_is_healed_from_a_peer_without_a_restart(tmp_path):
         assert state_differences(reference, state) == [], name
 
 
-ISLAND_STEPS, ISLAND_SYNC, ISLAND_KILL_AFTER = 24, 4, 3
+GROUPS, SHARDS, GROUP_STEPS, GROUP_KILL_AFTER, GROUP_HOLD_AFTER = 2, 2, 8, 2, 5
 
 
 @pytest.mark.timeout(150)
-def test_lost_island_heals_from_a_live_one_and_the_global_copies_end_equal(tmp_path):
-    """--semi-sync diloco over 2 one-process islands with --heal-replicas: island 1 is SIGKILLed between two syncs
-    (after step 3, H = 4) with no checkpoint; island 0 syncs on alone (from step 4 pausing 50 ms a step until the
-    replacement took a step); the replacement waits for its next sync, copies its state there and syncs with it. The lost
-    process's flight recorder is left behind. The reference is the islands themselves: at the end (a sync step) both hold
-    bit-identical global copies and parameters."""
+def test_lost_rank_takes_its_hsdp_group_down_and_the_group_heals_from_a_live_one(tmp_path):
+    """hsdp with --heal-replicas, 2 replicate groups x 2 shards (FSDP2 in each group, torchft across them): rank 1 of
+    group 1 is SIGKILLed inside step 3 with no checkpoint; the supervisor stops the rest of group 1 and restarts the
+    whole group, whose ranks each copy the same rank of group 0 (held after step 5 until then) and train on. The
+    reference is the groups themselves: each rank's local shards, parameters and optimizer state, end bit-identical to
+    the same rank's of the other group. Every listening socket but each group's torchft manager is on loopback, and
+    the lost process's flight recorder is left behind."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = plugin_env("support.replica_faults:plugin", PARATRAIN_TEST_REPLICA_DIR=str(marks),
+                     PARATRAIN_TEST_KILL_REPLICA=f"1/1:{GROUP_KILL_AFTER + 1}:compute",
+                     PARATRAIN_TEST_HOLD_AFTER=str(GROUP_HOLD_AFTER))
+    run = run_train(["--strategy", "hsdp", "--dp-replicate", str(GROUPS), "--dp-shard", str(SHARDS), "--nproc",
+                     str(GROUPS * SHARDS), "--heal-replicas", "--max-restarts", "1", "--steps", str(GROUP_STEPS),
+                     "--global-batch", "8", "--seq-len", "32", "--timeout-s", "60", "--out", str(tmp_path / "run"),
+                     "--json"], cwd=tmp_path, env=env, timeout=140, watch=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = run.json()
+    assert summary["steps"] == GROUP_STEPS and summary["replica_restarts"] == 1
+    assert summary["replicas_finished"] == [0, 1] and summary["replicas"] == GROUPS
+    assert summary["world_size"] == GROUPS * SHARDS
+    assert (summary["dims"]["dp_replicate"], summary["dims"]["dp_shard"]) == (GROUPS, SHARDS)
+    assert f"with hsdp [{GROUPS} replica groups x {SHARDS} shards, --heal-replicas] on 4 x cpu" in run.stderr
+    # group 1 (its second processes) healed from group 0, after group 0 stepped past the hold, never from disk
+    (heal,) = summary["healed_at"]
+    assert heal["replica"] == 1 and heal["attempt"] == 1 and heal["from_replica"] == 0, heal
+    assert GROUP_HOLD_AFTER <= heal["step"] < GROUP_STEPS, heal
+    for rank in range(SHARDS):
+        assert f"replica 1 rank {rank}: copied the weights, optimizer state and step {heal['step']} from replica 0" \
+            in run.stderr
+    assert not list(tmp_path.rglob("checkpoints")) and not list(tmp_path.rglob("step-*"))
+    # group 0 stepped on alone from the broken step to the heal: each such step skipped group 1's 4 samples
+    short = [step for step, groups in summary["short_steps"] if groups == 1]
+    assert short == list(range(GROUP_KILL_AFTER + 1, heal["step"] + 1)), summary["short_steps"]
+    assert summary["samples_skipped"] == 8 // GROUPS * len(short)
+    # the survivors stepped on in one process each; the lost group's ranks both started over in new processes
+    for rank in range(SHARDS):
+        assert len({pid for pid, _ in step_log(marks / f"steps-r0-s{rank}.txt")}) == 1
+        pids = list(dict.fromkeys(pid for pid, _ in step_log(marks / f"steps-r1-s{rank}.txt")))
+        assert len(pids) == 2, pids
+
+    # the end: rank r of group 1 holds bit for bit rank r of group 0's local shards (and the two ranks' differ)
+    states = {p.name: torch.load(p, weights_only=True) for p in marks.glob("state-*.pt")}
+    assert sorted(states) == [f"state-r{g}-a{g}-s{r}.pt" for g in range(GROUPS) for r in range(SHARDS)]
+    for rank in range(SHARDS):
+        mine, theirs = states[f"state-r0-a0-s{rank}.pt"], states[f"state-r1-a1-s{rank}.pt"]
+        assert mine["step"] == GROUP_STEPS and mine["optimizers"][0]["state"]
+        assert state_differences(mine, theirs) == [], rank
+    assert state_differences(states["state-r0-a0-s0.pt"]["model"], states["state-r0-a0-s1.pt"]["model"])
+
+    # sockets: beyond loopback only each group's torchft manager server, one [::] socket in its rank 0 process (the
+    # first two groups' and the replacement's); the lost rank 1 listened on loopback alone
+    sockets = with_sockets_at_kill(run.listeners_by_process, marks)
+    beyond = {pid: [a for a, _ in found if not is_loopback(a)] for pid, found in sockets.items()}
+    beyond = {pid: found for pid, found in beyond.items() if found}
+    assert len(beyond) == GROUPS + 1 and all(found == ["::"] for found in beyond.values()), sockets
+    (killed,) = [int(p.stem.split("-")[1]) for p in marks.glob("listening-*.json")]
+    assert sockets[killed] and killed not in beyond, sockets
+    # each replica process keeps a flight recorder (rank-N: N = group * 2 + rank): the lost group's two black boxes
+    # stay (the killed rank's at its last completed step), the finished processes took theirs back
+    boxes = sorted(p.relative_to(tmp_path / "run").as_posix() for p in (tmp_path / "run").rglob("hang/*"))
+    assert boxes == [f"replicas/r1-a0/hang/rank-{n}.{ext}" for n in (2, 3) for ext in ("json", "step")], boxes
+    box = json.loads((tmp_path / "run" / "replicas/r1-a0/hang/rank-3.json").read_text())
+    assert box["pid"] == killed and box["rank"] == 3
+    assert int((tmp_path / "run" / "replicas/r1-a0/hang/rank-3.step").read_text()) == GROUP_KILL_AFTER
+
+
+ISLAND_STEPS, ISLAND_SYNC, ISLAND_KILL_AFTER = 24, 4, 3
+# each lost-island run's semi-sync options: DiLoCo with an int4 outer sync (its encodings all-gathered over torchft's
+# quorum), and Streaming DiLoCo with 2 fragments and --fragment-delay 1 in fp32 (torchft's all-reduce, started a step
+# before it is applied; test_island_exchange.py has every dtype in-process)
+ISLAND_RUNS = {"diloco-int4": ("diloco", 1, 0, "int4"), "streaming-delay-fp32": ("streaming-diloco", 2, 1, "fp32")}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("run_id", list(ISLAND_RUNS))
+def test_lost_island_heals_from_a_live_one_and_the_global_copies_end_equal(tmp_path, run_id):
+    """--semi-sync over 2 one-process islands with --heal-replicas: island 1 is SIGKILLed between two syncs (after
+    step 3, H = 4) with no checkpoint; island 0 syncs on alone (from step 4 waiting for the replacement's model to
+    be built, then pausing 50 ms a step until it took a step); the replacement waits for its next sync (where an
+    all-reduce starts), copies its state there and syncs with it. The lost process's flight recorder is left behind. The reference is the islands
+    themselves: at the end (a sync step) both hold bit-identical global copies and, without a delay (whose merge
+    keeps half of each island's own), bit-identical parameters."""
+    from paratrain.parallel.semi_sync.fragments import FragmentSchedule
+
+    method, fragments, delay, dtype = ISLAND_RUNS[run_id]
     marks = tmp_path / "marks"
     marks.mkdir()
     env = plugin_env("support.replica_faults:plugin", PARATRAIN_TEST_REPLICA_DIR=str(marks),
                      PARATRAIN_TEST_KILL_REPLICA=f"1:{ISLAND_KILL_AFTER}", PARATRAIN_TEST_PACE_UNTIL_JOINED="4")
+    streaming = ["--fragments", str(fragments), "--fragment-delay", str(delay)] if fragments > 1 else []
     run = run_cli("train", "--strategy", "ddp", "--nproc", "2", "--heal-replicas", "--max-restarts", "1",
-                  "--semi-sync", "diloco", "--sync-every", str(ISLAND_SYNC), "--steps", str(ISLAND_STEPS),
-                  "--global-batch", "8", "--seq-len", "32", "--timeout-s", "60", "--out", str(tmp_path / "run"),
-                  "--json", env=env, timeout=140)
+                  "--semi-sync", method, "--sync-every", str(ISLAND_SYNC), *streaming, "--outer-dtype", dtype,
+                  "--steps", str(ISLAND_STEPS), "--global-batch", "8", "--seq-len", "32", "--timeout-s", "60",
+                  "--out", str(tmp_path / "run"), "--json", env=env, timeout=140)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = run.json()
     assert summary["steps"] == ISLAND_STEPS and summary["replica_restarts"] == 1
-    assert summary["replicas_finished"] == [0, 1]
+    assert summary["replicas_finished"] == [0, 1], run.stderr[-3000:]
     (heal,) = summary["healed_at"]
-    # healed at one of island 0's syncs after the kill, from island 0
-    assert heal["replica"] == 1 and heal["from_replica"] == 0 and heal["step"] % ISLAND_SYNC == 0
+    # healed at one of island 0's syncs after the kill (where an all-reduce starts), from island 0
+    schedule = FragmentSchedule(fragments, ISLAND_SYNC, delay)
+    assert heal["replica"] == 1 and heal["from_replica"] == 0 and schedule.started_after(heal["step"]) is not None
     assert ISLAND_KILL_AFTER < heal["step"] < ISLAND_STEPS, heal
     assert "island 1: copied the parameters, the inner optimizer state, the global copy" in run.stderr
     assert not list(tmp_path.rglob("step-*"))  # no checkpoint: the state came from the live island
@@ -145,7 +242,8 @@ def test_lost_island_heals_from_a_live_one_and_the_global_copies_end_equal(tmp_p
     island0, island1 = states["state-r0-a0.pt"], states["state-r1-a1.pt"]
     assert island0["step"] == island1["step"] == ISLAND_STEPS
     assert state_differences(island0["global"], island1["global"]) == []
-    assert state_differences(island0["model"], island1["model"]) == []  # the last step synced: both restart from it
+    # the last step synced: both restart from the global copy, or (delayed) merge half of it into their own
+    assert (state_differences(island0["model"], island1["model"]) == []) == (delay == 0)
     log = step_log(marks / "steps-r1.txt")
     assert [s for _, s in log[:ISLAND_KILL_AFTER]] == list(range(1, ISLAND_KILL_AFTER + 1))  # the lost process's
     assert [s for _, s in log[ISLAND_KILL_AFTER:]] == list(range(heal["step"] + 1, ISLAND_STEPS + 1))  # replacement
@@ -270,10 +368,18 @@ def test_a_peer_state_arrives_whole_over_the_process_group_and_a_hostile_descrip
 
 
 def test_heal_replicas_refuses_what_it_cannot_heal():
-    """One UserError line each (the CLI prints it and exits 2): a sharded strategy, one replica, a comm hook."""
-    cases = [({"strategy": "zero3"}, 3, r"takes no parallel degree \(got --strategy zero3\): ask for 3 replicas "
-                                         "with --strategy ddp --nproc 3"),
+    """One UserError line each (the CLI prints it and exits 2): a sharded strategy but hsdp, hsdp with another degree
+    (tp, pp, ep), hsdp short of two groups of two, --semi-sync under hsdp, one replica, a comm hook."""
+    hsdp = {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}
+    groups_only = r"hsdp's replicate groups, each FSDP over --dp-shard ranks and no other degree \(got {}\)"
+    cases = [({"strategy": "zero3"}, 3, r"takes no other parallel degree \(got --strategy zero3\): ask for 3 "
+                                         "replicas with --strategy ddp --nproc 3"),
              ({"strategy": "ddp", "tp": 2, "nproc": 4}, 4, r"\(got --tp 2\): .* --strategy ddp --nproc 4$"),
+             ({**hsdp, "tp": 2, "nproc": 8}, 8, groups_only.format("--tp 2")),
+             ({**hsdp, "pp": 2, "nproc": 8}, 8, groups_only.format("--pp 2")),
+             ({**hsdp, "ep": 2, "nproc": 4}, 4, groups_only.format("--ep 2")),
+             ({**hsdp, "dp_shard": 1, "nproc": 2}, 2, r"hsdp needs --dp-replicate >= 2 and --dp-shard >= 2"),
+             ({**hsdp, "semi_sync": "diloco", "nproc": 4}, 4, "--semi-sync heals one-process islands"),
              ({}, 1, "--heal-replicas needs --nproc 2 or more"),
              ({"ddp_comm_hook": "powersgd"}, 3, "it takes no --ddp-comm-hook"),
              ({"global_batch": 16}, 3, "must be divisible by the 3 replicas"),

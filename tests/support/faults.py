@@ -36,6 +36,8 @@ MUTATIONS = {
     "dp-split-unweighted": "(h) under --dp-batch-split every rank's loss is weighted alike, not by its tokens",
     "tied-grad-not-summed": "(i) the first and last pipeline stages' copies of a tied embedding keep their own "
                             "gradients: the all-reduce that sums them is dropped",
+    "semi-sync-skip-island": "(j) --semi-sync's outer all-reduce leaves island 1's outer gradient out (it sends "
+                             "zeros), so the islands' mean is half island 0's",
 }
 
 
@@ -209,6 +211,18 @@ def _plant_tied_grad_not_summed(hooks: Hooks) -> list:
     return [hooks.on_collective(on_collective)]
 
 
+# (j) --semi-sync: one island's outer gradient left out of the outer all-reduce, at the collective ------------------
+def _plant_semi_sync_skip_island(hooks: Hooks) -> list:
+    def on_collective(call, proceed):
+        # the cross-island group's rank is the island; what it sends: fp32's buffer, or the encodings' all-to-all input
+        if call.purpose == "outer_sync" and call.op in ("all_reduce", "all_to_all") \
+                and dist.get_rank(call.group) == 1:
+            call.tensors[0 if call.op == "all_reduce" else 1].zero_()
+        return proceed()
+
+    return [hooks.on_collective(on_collective)]
+
+
 PLANTERS = {
     "dp-grad-sum": _plant_dp_grad_sum,
     "fsdp-skip-update": _plant_fsdp_skip_update,
@@ -219,6 +233,7 @@ PLANTERS = {
     "sp-norm-grad-no-reduce": _plant_sp_norm_grad_no_reduce,
     "dp-split-unweighted": _plant_dp_split_unweighted,
     "tied-grad-not-summed": _plant_tied_grad_not_summed,
+    "semi-sync-skip-island": _plant_semi_sync_skip_island,
 }
 
 _FAULTS = FaultSet(PLANTERS, FAULT_ENV, "mutation", UserError)

@@ -20,10 +20,10 @@ from paratrain.parallel.strategies import resolve_layout
 from paratrain.train.optim import build_optimizer
 from paratrain.train.optimizer_graph import OptimizerGraph, check_optimizer_graph
 from paratrain.train.param_copies import ParamCopies
-from paratrain.train.runtime import init_runtime
 from paratrain.train.step import clip_grad_norm
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run
+from reliability.inproc import one_rank
 
 CPU = torch.device("cpu")
 
@@ -61,7 +61,8 @@ def test_folded_step_matches_clip_then_step_when_clipping():
 
 @pytest.fixture(scope="module")
 def rt():
-    return init_runtime("cpu", 60.0)
+    with one_rank() as runtime:  # the world-1 group's RANK / WORLD_SIZE leave with the module
+        yield runtime
 
 
 def trainer(rt, **overrides) -> Trainer:

@@ -247,14 +247,16 @@ def check_communication(ctx: Context) -> Finding | None:
     share = ctx.fractions["communication_exposed"]
     cost, cost_s = ctx.cost("communication"), ctx.cost_s("communication")
     split = (ctx.analysis.get("counterfactual") or {}).get("communication_split") or {}
-    if cost is not None and split.get("distributed_s") is not None and ctx.oversubscription():
+    contended = cost is not None and split.get("distributed_s") is not None and ctx.oversubscription()
+    if contended:
         # peer-rank contention on oversubscribed cores is the allocation finding's cause, not communication's:
         # rank by the gradient sync alone
         cost_s, split = split["sync_s"], {"sync_s": split["sync_s"]}
         cost = cost_s / (ctx.step_ms / 1e3)
     # ranked by what removing the gradient sync saves where a probe measured it: collectives that share the
-    # cores (or memory bandwidth) with compute slow it down without showing as exposed waits
-    at_stake = max(share, cost) if cost is not None else share
+    # cores (or memory bandwidth) with compute slow it down without showing as exposed waits. On oversubscribed
+    # cores the exposed waits are mostly a descheduled peer, so the sync's own cost alone ranks it there.
+    at_stake = cost if contended else max(share, cost) if cost is not None else share
     severity = by_threshold(at_stake, 0.3, 0.1, 0.03)
     if severity is None:
         return None

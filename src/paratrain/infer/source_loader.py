@@ -9,7 +9,8 @@ The interface (eval and generate build on it):
 
     resolve_source(source, overrides) -> TrainConfig
         In the CLI process, before any rank starts: the checkpoint's model (its manifest's model_source: a preset
-        with its shape, or hf:) with the user's flags (layout, seq_len, dtype, data). Given no layout flag (no
+        with its shape, or hf:; a LoRA run's adapters, from its manifest's lora record) with the user's flags
+        (layout, seq_len, dtype, data). Given no layout flag (no
         --strategy, --nproc or degree, no --config), a checkpoint's layout is the one it was saved under. A
         missing, incomplete or corrupt checkpoint, or a --model (or shape) that contradicts it: UserError, one
         line, exit 2.
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import TrainConfig, load_config
-from paratrain.errors import UserError
+from paratrain.errors import UserError, flag_of
 from paratrain.models.hf_files import hf_location, is_hf_model
 from paratrain.models.presets import get_preset, model_args_for
 from paratrain.train.recovery import checkpoint as ckpt
@@ -93,7 +94,12 @@ def _checkpoint_source(source: str, given: dict, config) -> TrainConfig:
         if key in given and given[key] != value:
             raise UserError(f"{key} {given[key]} contradicts the checkpoint {step_dir}, which holds {key} {value}")
     layout = {} if config or any(k in given for k in layout_fields()) else trained_layout(manifest)
-    cfg = _load({**layout, **given, **shape}, config, model=model, resume=str(step_dir))
+    adapters = trained_adapters(step_dir, manifest)
+    for key, value in adapters.items():
+        if key in given and given[key] != value:
+            raise UserError(f"{flag_of(key)} {given[key]} contradicts the checkpoint {step_dir}, trained with "
+                            f"{flag_of(key)} {value}: drop {flag_of(key)}")
+    cfg = _load({**layout, **given, **shape, **adapters}, config, model=model, resume=str(step_dir))
     _check_same_model(cfg, step_dir, manifest)
     return cfg
 
@@ -114,6 +120,20 @@ def trained_layout(manifest: dict) -> dict:
     names = layout_fields()
     degrees = {k: v for k, v in dims.items() if k in names and isinstance(v, int) and not isinstance(v, bool) and v > 1}
     return {"strategy": strategy, "nproc": world, **degrees}
+
+
+def trained_adapters(step_dir: Path, manifest: dict) -> dict:
+    """The LoRA adapters a checkpoint was trained with (its manifest's "lora" record), as the config fields that
+    attach them again before the checkpoint is read ({} without): the model evaluated is the one trained, base and
+    adapters (dropout is off in eval mode)."""
+    lora = manifest.get("lora")
+    if not lora:
+        return {}
+    targets = lora.get("targets") if isinstance(lora, dict) else None
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise UserError(f"checkpoint {step_dir}: its manifest's lora record names no target modules")
+    return {"lora_r": lora.get("r"), "lora_alpha": lora.get("alpha"), "lora_targets": ",".join(targets),
+            "lora_dropout": lora.get("dropout")}
 
 
 def _load(given: dict, config, **source) -> TrainConfig:

@@ -91,6 +91,11 @@ class Layout:
     # (then micro_batch is the largest of them); pp_layers: transformer blocks per pipeline stage
     dp_micro_batches: tuple[int, ...] = ()
     pp_layers: tuple[int, ...] = ()
+    # --lora-r: rank-r adapters on the lora_targets linears (the model's own module names; (): its family's
+    # default), the base frozen; 0: every parameter trains. The planner prices them (plan/tracing/lora_trace.py)
+    lora_r: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
     mesh: object = field(default=None, repr=False, compare=False, hash=False)
     # per dim that adds no ranks (dims.py `within`) and is > 1: its ranks' mesh split as (<name>_rest, <name>)
     split_meshes: dict = field(default=None, repr=False, compare=False, hash=False)
@@ -103,7 +108,7 @@ class Layout:
         problem = _SUBDIVIDING and subdivision_problem(self.degrees())
         if problem:
             raise UserError(problem)
-        for name in ("dp_micro_batches", "pp_layers"):  # from_dict() hands JSON lists
+        for name in ("dp_micro_batches", "pp_layers", "lora_targets"):  # from_dict() hands JSON lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # -- sizes ------------------------------------------------------------------------------------------

@@ -179,8 +179,17 @@ def resolve_layout(cfg, world_size: int) -> Layout:
                   pp_schedule=schedule, virtual_stages=virtual, micro_batch=micro, microbatches=microbatches,
                   ac=cfg.ac, dtype=cfg.dtype, compile=cfg.compile, ddp_comm_hook=hook,
                   local_sgd_period=cfg.local_sgd_period, semi_sync=getattr(cfg, "semi_sync", None) or "",
-                  cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start,
+                  cpu_offload=cfg.cpu_offload, powersgd_start=powersgd_start, **lora_fields(cfg),
                   **uneven)
+
+
+def lora_fields(cfg) -> dict:
+    """The Layout's LoRA fields (lora_options.py): the rank, the targets as given ((): the family's default), the
+    dropout; none without --lora-r."""
+    rank = getattr(cfg, "lora_r", 0)
+    if not rank:
+        return {}
+    return {"lora_r": rank, "lora_targets": cfg.lora_target_names or (), "lora_dropout": cfg.lora_dropout}
 
 
 def uneven_fields(cfg, degrees: dict[str, int]) -> dict:

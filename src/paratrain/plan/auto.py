@@ -52,7 +52,7 @@ def plan_for_auto(cfg):
     args = model_args_for(cfg.model_copy(update={"strategy": "ddp"}))
     device_type = "cpu" if profile.gpu.name == "cpu" else "cuda"
     job = Job(args=args, model_name=cfg.model, gpus=world, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-              dtype=cfg.dtype, device_type=device_type)
+              dtype=cfg.dtype, device_type=device_type, lora=lora_of(cfg, args))
     if cfg.dtype not in profile.gpu.peak_tflops:
         raise UserError(f"--strategy auto: the hardware profile has no {cfg.dtype} figures")
     fixed = {**given_degrees(cfg), "micro_batch": cfg.micro_batch, "ac": cfg.ac if cfg.ac != "none" else None}
@@ -67,6 +67,18 @@ def plan_for_auto(cfg):
 
     # the auto_candidates hooks (train/hooks.py) may re-price or re-rank them; none does unless a plugin asks
     return job, profile, where, default_hooks().apply_auto_candidates(feasible)
+
+
+def lora_of(cfg, args):
+    """The run's LoRA adapters as the planner prices them (plan/inputs/lora_count.py); None without --lora-r."""
+    from paratrain.lora_options import LORA_FIELDS
+    from paratrain.models.hf_files import is_hf_model
+    from paratrain.plan.inputs.lora_count import lora_choice
+
+    if not cfg.lora_r:
+        return None
+    hf_source = cfg.model if is_hf_model(cfg.model) else None
+    return lora_choice({k: getattr(cfg, k) for k in LORA_FIELDS}, cfg.dtype, hf_source, args)
 
 
 def resolve_auto_strategy(cfg):

@@ -154,10 +154,22 @@ def build_plan_inputs(r: PlanRequest | Mapping) -> tuple[Job, HardwareProfile, d
         args = dataclasses.replace(args, max_seq_len=seq)
     batch = r.global_batch or max(16, r.gpus)
     device = "cpu" if hw.gpu.name == "cpu" else "cuda"
+    lora = lora_request(r, dtype, args)
     job = Job(args=args, model_name=name, gpus=r.gpus, seq_len=seq, global_batch=batch, dtype=dtype,
               hf_config=r.hf_config, compile=bool(r.compile), device_type=device, counts=counts, **priced_schemes(r),
-              train_flags=r.train_flags, **optimizer_choice(r))
+              train_flags=r.train_flags + (lora.flags if lora else ()), lora=lora, **optimizer_choice(r))
     return job, hw, fixed_choices(r), cluster
+
+
+def lora_request(r: PlanRequest, dtype: str, args):
+    """--lora-r and its options, checked and the adapters counted on the model (inputs/lora_count.py); None
+    without --lora-r."""
+    from paratrain.lora_options import LORA_FIELDS
+    from paratrain.plan.inputs.hf_config import plans_hf_model
+    from paratrain.plan.inputs.lora_count import lora_choice
+
+    hf_source = r.hf_config or (r.model if plans_hf_model(r.model) else None)
+    return lora_choice({k: getattr(r, k) for k in LORA_FIELDS}, dtype, hf_source, args)
 
 
 def optimizer_choice(r: PlanRequest) -> dict:

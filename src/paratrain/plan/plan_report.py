@@ -90,6 +90,7 @@ def candidate_doc(job: Job, hw: HardwareProfile, cand: Candidate, mixed=None, cl
         "zero_stage": lay.zero_stage, "sp": lay.sp and lay.splits_within_layers,
         "cp_impl": lay.cp_impl if lay.splits_sequences else None,
         "memory_gib": cand.memory.gib() if cand.memory else None,
+        "memory_bytes": cand.memory.parts() if cand.memory else None,
         "memory_peak_phase": cand.memory.phase if cand.memory else None,
         "step_time_s": t.step_s if t else None,
         "tokens_per_s_per_device": cand.tokens_per_s_per_device if t else None,
@@ -172,7 +173,8 @@ def _plan_document(job: Job, hw: HardwareProfile, fixed: dict, top: int, exhaust
                   "vocab_size": job.args.vocab_size, "flops_per_token": job.flops_per_token,
                   "flops_convention": "6*N + 12*layers*dim*seq_len per token; N excludes the input embedding"
                                       + ("; of an MoE layer N counts the top-k experts only" if job.args.moe else ""),
-                  **(moe_fields(job.args, expert_params(job.args)) if job.args.moe else {})},
+                  **(moe_fields(job.args, expert_params(job.args)) if job.args.moe else {}),
+                  **({"lora": lora_fields(job.lora)} if job.lora else {})},
         "cluster": {"gpu": gpu.name, "gpus": job.gpus, "nodes": nodes, "gpus_per_node": gpu.gpus_per_node,
                     "mem_gib": gpu.mem_gib, "peak_tflops": gpu.peak_tflops.get(job.dtype),
                     "intra_node_gbs": gpu.intra_node_gbs, "inter_node_gbs": gpu.inter_node_gbs,
@@ -256,3 +258,9 @@ def moe_fields(args, experts: int) -> dict:
     return {"experts": args.n_experts, "top_k": args.top_k, "shared_experts": args.n_shared_experts,
             "expert_ffn_dim": args.expert_dim, "moe_layers": args.n_layers - args.n_dense_layers,
             "expert_params": experts, "router": args.router}
+
+
+def lora_fields(lora) -> dict:
+    """What `plan --json` says of the adapters a LoRA run trains (plan/inputs/lora_count.py LoraChoice)."""
+    return {**lora.spec.to_dict(), "trainable_params": lora.params, "adapter_tensors": lora.tensors,
+            "counted_by": "the adapters attached to the model built on the meta device"}

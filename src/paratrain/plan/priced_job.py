@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from paratrain.models.args import ModelArgs
 from paratrain.plan.inputs.hf_count import ModelCounts
+from paratrain.plan.inputs.lora_count import LoraChoice
 
 
 @dataclass
@@ -38,10 +39,16 @@ class Job:
     # weights held in the compute dtype, fp32 masters in the optimizer, gradients accumulated in fp32 by the
     # weight-gradient GEMMs (Megatron's Float16Module and gradient-accumulation fusion): no autocast casts
     half_weights: bool = False
+    # --lora-r: adapters on a frozen base (plan/inputs/lora_count.py LoraChoice: the spec, the adapters' count)
+    lora: LoraChoice | None = None
 
     def layout_options(self) -> dict:
         """The run options a Layout carries (FP8 runs its non-matmul work, and is traced, in bf16)."""
-        return {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
+        options = {"dtype": "bf16" if self.dtype == "fp8" else self.dtype, "compile": self.compile}
+        if self.lora:
+            spec = self.lora.spec
+            options.update(lora_r=spec.r, lora_targets=tuple(spec.targets), lora_dropout=spec.dropout)
+        return options
 
     @property
     def optimizer_states(self) -> int:

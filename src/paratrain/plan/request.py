@@ -36,6 +36,12 @@ class PlanRequest:
     optimizer: str | None = None  # --optimizer, --momentum: the optimizer state the memory holds (None: adamw, 0)
     momentum: float | None = None
     train_flags: tuple[str, ...] = ()  # training options passed on to the candidates' commands (plan/passed_on.py)
+    # --lora-r, --lora-alpha, --lora-targets, --lora-dropout (None: not given): adapters on a frozen base, priced
+    # (plan/inputs/lora_count.py)
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
+    lora_dropout: float | None = None
     # schemes the cost model prices that paratrain's runtime does not run (plan/priced_job.py Job)
     dist_optimizer: bool = False
     async_tp: bool = False

@@ -110,14 +110,20 @@ def layouts_of_degrees(job: Job, degrees: dict, fixed: dict) -> list[Layout]:
 
 def model_states(job: Job, lay: Layout) -> dict[str, float]:
     """Bytes of parameters, gradients and AdamW state on one rank before any activation: fp32 master weights,
-    fp32 gradients, two fp32 moments (16 bytes per parameter), sharded as the layout shards them."""
+    fp32 gradients, two fp32 moments (16 bytes per parameter), sharded as the layout shards them. Under LoRA the
+    frozen base keeps its fp32 weights alone; gradients and moments are the adapters'."""
     from paratrain.models.presets import count_params
 
     n = count_params(job.args) / lay.tp / lay.pp
     dp = lay.shard_degree if lay.fsdp else lay.dp
     # FSDP2 keeps parameters sharded between steps at both stages (ZeRO-2 only holds them gathered longer)
     stage = 3 if lay.fsdp else lay.zero_stage
-    return model_state_bytes(n, dp, stage, k_optimizer=4 * job.optimizer_states, param_bytes=4, grad_bytes=4)
+    if job.lora is None:
+        return model_state_bytes(n, dp, stage, k_optimizer=4 * job.optimizer_states, param_bytes=4, grad_bytes=4)
+    base = model_state_bytes(n, dp, stage, k_optimizer=0, param_bytes=4, grad_bytes=0)
+    adapters = model_state_bytes(job.lora.params / lay.tp / lay.pp, dp, stage, k_optimizer=4 * job.optimizer_states,
+                                 param_bytes=4, grad_bytes=4)
+    return {k: base[k] + adapters[k] for k in base}
 
 
 def model_states_floor(job: Job, lay: Layout) -> float:
@@ -269,7 +275,9 @@ def search_all(job: Job, hw: HardwareProfile, fixed: dict, exhaustive: bool = Fa
             if floor > usable:
                 # no trace needed: parameters, gradients and optimizer state alone overflow the GPU
                 mem = MemoryEstimate(phase="model states alone (activations not traced)",
-                                     notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"])
+                                     notes=["16 bytes per parameter: fp32 weights, fp32 gradients, AdamW moments"
+                                            if job.lora is None else "4 bytes per frozen parameter (fp32 weights); "
+                                            "the adapters' 16 (weights, gradients, AdamW moments)"])
                 states = model_states(job, base)
                 mem.params, mem.grads, mem.optimizer = states["params"], states["grads"], states["optimizer"]
                 lay = with_micro_batch(base, job, fixed.get("ac") or AC_MODES[-1], fixed.get("micro_batch") or 1)

@@ -29,9 +29,13 @@ def log_run_start(trainer) -> None:
     if not trainer.rt.is_main or trainer.quiet:
         return
     floor = f", entropy floor {trainer.floor:.4f} nats" if trainer.floor is not None else ""
-    # a --heal-replicas replica (data_shard) is one device of a run of `count` replicas: describe the run
-    shape, world = (f"{trainer.data_shard[1]} replicas, --heal-replicas", trainer.data_shard[1]) \
-        if trainer.data_shard else (trainer.layout.describe(), trainer.layout.world)
+    # a --heal-replicas replica (data_shard) is one device (or one replicate group of layout.world ranks) of a run
+    # of data_shard[1] processes: describe the run
+    shape, world = (trainer.layout.describe(), trainer.layout.world)
+    if trainer.data_shard:
+        world, size = trainer.data_shard[1], trainer.layout.world
+        shape = f"{world} replicas, --heal-replicas" if size == 1 else \
+            f"{world // size} replica groups x {size} shards, --heal-replicas"
     log.info("training %s (%s params) with %s [%s] on %d x %s%s", trainer.model_name,
              readable_count(trainer.param_count), trainer.cfg.strategy, shape, world, trainer.rt.device_type, floor)
     if trainer.data_tokens is not None:

@@ -49,9 +49,10 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(device_preference: str, timeout_s: float) -> Runtime:
-    """Join (or, for a lone process, create) the process group. Every group gets `timeout_s`."""
-    store = None
+def init_runtime(device_preference: str, timeout_s: float, store=None) -> Runtime:
+    """Join (or, for a lone process, create) the process group. Every group gets `timeout_s`. `store`: where a
+    launched process (RANK, WORLD_SIZE set) meets its peers, when its launcher made one (a --heal-replicas replica
+    group's loopback store: train/recovery/replica_worker.py)."""
     if not in_launched_process():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_loopback_port()))

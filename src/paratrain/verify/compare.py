@@ -187,14 +187,14 @@ def judge(err: dict, ref: dict, tol: Tolerance) -> dict:
 
 def divergence(step: int, err: dict, ok: dict, tol: Tolerance, order: list[str]) -> dict:
     """Where step `step` diverges first: what differs, the first module, the parameters by largest error."""
-    differs = next(k for k in ("loss", "activations", "grads", "params") if not ok[k])
+    differs = next(k for k in ("loss", "activations", "grads", "global_params", "params") if not ok.get(k, True))
     module, module_error = None, None
     if err["acts"] is not None:
         bad = {path: e for e, path in err["acts"] if not e <= tol.act_rtol}
         module = next((path for path in order if path in bad), None)
         module_error = bad.get(module)
-    if differs == "params":
-        entries, bound = err["params"], tol.param_rtol
+    if differs in ("params", "global_params"):  # global_params: --semi-sync's global copies (semi_sync_parity.py)
+        entries, bound = err["params" if differs == "params" else "global"], tol.param_rtol
         worst = [{"name": n, "rank": r, "rel_error": e, "max_abs_diff": mx} for e, n, r, mx in
                  largest_first(entries)[:3]]
     else:

@@ -47,10 +47,15 @@ def check_verifiable(cfg, layout) -> None:
                 else "after its warm-up each rank steps on its own gradients")
         raise UserError(f"verify refuses --local-sgd-period {period}: {when}, which cannot match one device step "
                         "for step; its convergence against DDP is tested instead")
-    if layout.semi_sync:
-        raise UserError(f"verify refuses --semi-sync {layout.semi_sync}: between syncs each island steps on its own "
-                        "gradients, which cannot match one device step for step; its reductions to DDP and local SGD "
-                        "are tested instead (docs/strategies.md)")
+    if layout.lora_dropout:
+        raise UserError(f"verify refuses --lora-dropout {layout.lora_dropout:g}: dropout draws its masks from each "
+                        "rank's random stream, so no run (one device's included) draws the reference's masks and the "
+                        "adapters' gradients cannot match step for step; verify at --lora-dropout 0 (the same "
+                        "adapters and placement) and train with the dropout")
+    if layout.semi_sync:  # against islands simulated on one device (verify/semi_sync_parity.py)
+        from paratrain.verify.semi_sync_parity import check_islands_verifiable
+
+        check_islands_verifiable(cfg, layout)
     if layout.splits_stages:
         return
     if layout.dp_micro_batches:  # --dp-batch-split: --microbatches is the accumulation count
@@ -170,7 +175,12 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
     check_verifiable(cfg, layout)
     reference, floor = None, None
     fingerprints = not cfg.compile  # hooks inside compiled regions are not safe
-    if rt.is_main:
+    if rt.is_main and layout.semi_sync:  # fp32 only (check_islands_verifiable)
+        from paratrain.verify.semi_sync_parity import islands_reference
+
+        reference = islands_reference(cfg, rt, layout, reference_config(cfg, "fp32"),
+                                      lambda t: Recorder(t, 0, fingerprints))
+    elif rt.is_main:
         exact = reference_run(cfg, rt, "fp32", fingerprints)
         reference = exact
         if cfg.dtype != "fp32":
@@ -180,6 +190,7 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
         elif run_to_run_varies(rt.device):
             floor = noise_floor(reference_run(cfg, rt, "fp32", fingerprints, repeat=1), exact)
             tol = tol or Tolerance.from_floor(floor, FLOOR_MULTIPLE, basis="run-to-run noise floor")
+    if rt.is_main:
         tol = tol or Tolerance.for_dtype(cfg.dtype)
     trainer = Trainer(cfg, rt, quiet=True)
     tp_rank = trainer.layout.coords(rt.rank)["tp"] if trainer.distributed else 0
@@ -190,6 +201,10 @@ def verify_in_group(cfg, rt, tol: Tolerance | None = None) -> dict | None:
         report.model_parts = len(trainer.step_runner.model_parts)
     for step in range(1, cfg.steps + 1):
         record = recorder.step()
+        if trainer.outer_sync is not None:  # --semi-sync: the global copy too, after a sync
+            from paratrain.verify.semi_sync_parity import synced_global
+
+            record["global"] = synced_global(trainer)
         everyone = [record]
         if trainer.distributed:
             everyone = [None] * dist.get_world_size() if rt.is_main else None
@@ -220,6 +235,8 @@ class Report:
         self.checks = {"loss": True, "activations": True, "grads": True, "params": True}
         self.max = {"loss_abs": 0.0, "loss_rel": 0.0, "grad_norm_rel": 0.0, "grad_rel": 0.0, "param_rel": 0.0,
                     "param_abs": 0.0, "act_rel": 0.0}
+        if layout.semi_sync:  # the global copy after each sync (verify/semi_sync_parity.py)
+            self.checks["global_params"], self.max["global_param_rel"] = True, 0.0
         self.missing: list[str] = []
         self.acts_compared = True
         self.same_loss = True  # every rank reported exactly the same global loss
@@ -227,10 +244,20 @@ class Report:
         self.routing = RoutingCheck()
         self.set_aside: dict = {}  # (rank, name) -> the elements whose gradient was rounding (compare.py)
 
-    def add(self, step: int, records: list[dict]) -> None:
+    def compare(self, step: int, records: list[dict]) -> tuple[dict, dict, dict]:
+        """(the step's reference, the errors of every rank's record, which checks pass)."""
         ref = self.ref["steps"][step - 1]
+        if self.layout.semi_sync:  # each rank against its island's reference, and the global copies
+            from paratrain.verify.semi_sync_parity import compare_islands
+
+            ref, err, ok = compare_islands(ref, records, self.set_aside, self.tol)
+            self.max["global_param_rel"] = nanmax([self.max["global_param_rel"], nanmax([e[0] for e in err["global"]])])
+            return ref, err, ok
         err = compare_step(ref, records, self.set_aside, self.tol.grad_rtol)
-        ok = judge(err, ref, self.tol)
+        return ref, err, judge(err, ref, self.tol)
+
+    def add(self, step: int, records: list[dict]) -> None:
+        ref, err, ok = self.compare(step, records)
         routed_alike = self.routing.add(step, ref.get("routing", {}), [r.get("routing", {}) for r in records])
         worst_act = nanmax([e for e, _ in err["acts"]]) if err["acts"] is not None else None
         self.acts_compared = self.acts_compared and err["acts"] is not None
@@ -240,8 +267,8 @@ class Report:
                "act_rel": worst_act or 0.0}
         for key, value in row.items():
             self.max[key] = nanmax([self.max[key], value])
-        for key in self.checks:
-            self.checks[key] = self.checks[key] and ok[key]
+        for key, passed in ok.items():
+            self.checks[key] = self.checks[key] and passed
         self.missing = sorted(set(self.missing) | set(err["missing"]))
         self.same_loss = self.same_loss and len({rec["loss"] for rec in records}) == 1
         if self.first is None and not all(ok.values()):
@@ -250,6 +277,9 @@ class Report:
                               "grad_norm_ref": ref["grad_norm"], "grad_norm": records[0]["grad_norm"],
                               "grad_rel_diff": row["grad_rel"], "param_rel_diff": row["param_rel"],
                               "act_rel_diff": worst_act, "passed": all(ok.values()) and routed_alike})
+        if self.layout.semi_sync:  # the steps that synced, and their global copies' error
+            self.per_step[-1].update(synced=bool(err["global"]), global_param_rel_diff=nanmax(
+                [e[0] for e in err["global"]]) if err["global"] else None)
 
     def margins(self) -> dict:
         """Tolerance / largest error seen, per check (how far inside its bound the run stayed)."""
@@ -257,6 +287,8 @@ class Report:
         pairs = {"loss": (t.loss_rtol, m["loss_rel"]), "grad_norm": (t.grad_norm_rtol, m["grad_norm_rel"]),
                  "grads": (t.grad_rtol, m["grad_rel"]), "params": (t.param_rtol, m["param_rel"]),
                  "activations": (t.act_rtol, m["act_rel"])}
+        if self.layout.semi_sync:
+            pairs["global_params"] = (t.param_rtol, m["global_param_rel"])
         return {k: (bound / err if err > 0 else None) if err == err else float("nan") for k, (bound, err) in pairs.items()}
 
     def _first_with_routing(self) -> dict | None:
@@ -285,7 +317,19 @@ class Report:
                 "compared": {"ranks": layout.world, "every_step": True, "grads": "before clipping",
                              "activations": self.acts_compared, "model_parts": self.model_parts},
                 "same_loss_on_every_rank": self.same_loss,
-                "per_step": self.per_step, **extra}
+                "per_step": self.per_step, **self._islands(), **extra}
+
+    def _islands(self) -> dict:
+        """--semi-sync: what was simulated, and the largest error of the global copies after a sync."""
+        if not self.layout.semi_sync:
+            return {}
+        cfg = self.cfg
+        return {"semi_sync": {"method": cfg.semi_sync, "islands": self.layout.dp_replicate, "sync_every": cfg.sync_every,
+                              "fragments": cfg.fragments, "fragment_delay": cfg.fragment_delay,
+                              "outer_dtype": cfg.outer_dtype, "outer_lr": cfg.outer_lr,
+                              "outer_momentum": cfg.outer_momentum,
+                              "syncs": sum(1 for row in self.per_step if row["synced"]),
+                              "max_global_param_rel_diff": self.max["global_param_rel"]}}
 
 
 def describe_divergence(first: dict | None) -> str | None:
@@ -295,6 +339,8 @@ def describe_divergence(first: dict | None) -> str | None:
     what = {"loss": "the loss differs", "activations": "activations differ (loss within tolerance)",
             "grads": "only the gradients differ (the loss matches)",
             "params": "only the parameters differ (loss and gradients match): an optimizer-side bug",
+            "global_params": "the global parameters differ after a sync (the islands' inner steps match): an "
+                             "outer-step bug",
             "routing": "only the router's decisions differ (loss, gradients and parameters within tolerance)"
             }[first["differs"]]
     where = f"; first diverging module: {first['module']}" if first.get("module") else ""

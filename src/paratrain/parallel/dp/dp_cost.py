@@ -161,8 +161,10 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
         exposed += (gathers + 1) * tensors * profile.framework_us.get("fsdp_param", 0.0) * 1e-6
         exposed += (gathers * 2 * gathered + 2 * grads) / (profile.mem_bw_gbs * 1e9)
         return exposed + hsdp_all_reduce(profile, layout, grads / n, est, rails_of)
+    # what the optimizer steps (all the parameters, or LoRA's adapters): ZeRO-1 hands back only those
+    trained = sum(c.tr.scalar("trained_params", c.layers) for c in chunks)
     if layout.ddp and layout.zero_stage == 1 and dist_optimizer:
-        gathered = params / 2 if dtype in ("bf16", "fp8") else params  # the model's low-precision copy
+        gathered = trained / 2 if dtype in ("bf16", "fp8") else trained  # the model's low-precision copy
         return distributed_optimizer_comm(profile, layout, grads, gathered, fwd, bwd, est, rails_of)
     if layout.ddp:
         group = "dp_cp"
@@ -178,8 +180,8 @@ def data_parallel_comm(profile, layout, chunks: list, dtype: str, est, rails_of,
             nd, where_d = layout.group_size("dp"), layout.placement("dp", gpn)
             count = max(1, round(sum(c.tr.scalar("param_tensors", c.layers) for c in chunks)))
             rails_d = rails_of("dp")
-            exposed += collective_time(profile, "broadcast", params / count, nd, where_d, rails_d) * count
-            est.add_comm("broadcast", params, nd)
+            exposed += collective_time(profile, "broadcast", trained / count, nd, where_d, rails_d) * count
+            est.add_comm("broadcast", trained, nd)
         return exposed
     return 0.0
 

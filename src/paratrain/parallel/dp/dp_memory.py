@@ -11,10 +11,13 @@ GIB = 2**30
 def autocast_weight_copies(tr, layers: int, dtype: str) -> float:
     """Autocast keeps a low-precision copy of every matmul weight the rank computes with from forward to
     backward; FSDP's bf16 policy gathers bf16 weights instead, so these copies are not made there. The weights
-    it computes with are those that get a gradient (under --ep, not the other ranks' experts)."""
+    it computes with are those that get a gradient (under --ep, not the other ranks' experts), and under LoRA the
+    frozen base as well (autocast casts a frozen weight at every use, and a matmul saves the copy for its input's
+    gradient)."""
     if dtype == "fp32":
         return 0.0
-    return tr.scalar("grads", layers) / 2  # fp32 -> 16-bit: half the (matmul-dominated) parameter bytes
+    frozen = tr.scalar("params", layers) - tr.scalar("trained_params", layers)  # 0 without LoRA
+    return (tr.scalar("grads", layers) + frozen) / 2  # fp32 -> 16-bit: half the (matmul-dominated) parameter bytes
 
 
 def others_experts(args, layout) -> float:

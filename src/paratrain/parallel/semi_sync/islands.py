@@ -64,13 +64,9 @@ def check_semi_sync(cfg, layout) -> None:
 
 
 def check_island_healing(cfg, flag: str) -> None:
-    """--heal-replicas islands (train/recovery/island_heal.py) average through torchft's all-reduce, sync by sync."""
-    if cfg.outer_dtype != "fp32":
-        raise UserError(f"{flag} --heal-replicas averages through torchft's fault-tolerant all-reduce, in fp32: "
-                        f"--outer-dtype {cfg.outer_dtype} needs a run without --heal-replicas")
-    if cfg.fragment_delay:
-        raise UserError(f"{flag} --heal-replicas syncs each fragment inside one quorum: --fragment-delay "
-                        f"{cfg.fragment_delay} needs a run without --heal-replicas")
+    """--heal-replicas islands (train/recovery/island_heal.py) average through torchft's quorum, sync by sync (any
+    --outer-dtype: fp32 as its all-reduce, the others as an all-gather of outer_codec.py's encodings; with
+    --fragment-delay the quorum meets where the all-reduce starts, and the mean waits T steps to be applied)."""
     if cfg.ckpt_every or cfg.ckpt_dir or cfg.preempt_signal:
         raise UserError(f"{flag} --heal-replicas keeps each island's state in the islands themselves (a lost one "
                         f"copies a live one's): checkpoints (--ckpt-every, --ckpt-dir, --preempt-signal) need a run "

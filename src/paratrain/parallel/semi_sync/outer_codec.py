@@ -121,9 +121,41 @@ def _gather_means(work, received: torch.Tensor, group, dtype: str, chunk: int, l
     if work is not None:
         work.wait()
     n = dist.get_world_size(group)
-    mine = sum(decode(part, dtype, chunk) for part in received.chunk(n)) / n
-    packed = encode(mine, dtype)
+    packed = encode(average_decoded(received.chunk(n), dtype, chunk), dtype)
     gathered = torch.zeros(packed.numel() * n, dtype=torch.uint8, device=packed.device)
     collective("outer_sync", "dp_replicate", "all_gather", group,
                functools.partial(_ALL_GATHER, gathered, packed, group=group), (gathered, packed))
     return torch.cat([decode(part, dtype, chunk) for part in gathered.chunk(n)])[:length]
+
+
+def average_decoded(parts, dtype: str, count: int) -> torch.Tensor:
+    """The mean of encoded buffers of `count` values each, decoded and summed in the order given (fp32): every
+    island sums in island order, so all get the same bits."""
+    return sum(decode(part, dtype, count) for part in parts) / len(parts)
+
+
+# --heal-replicas islands (train/recovery/island_heal.py) exchange whole encoded outer gradients through torchft's
+# quorum: an all-gather, each island's bytes behind a header of two int32s, its island index and whether it counts
+_HEADER_BYTES = 8
+
+
+def pack_contribution(flat: torch.Tensor, dtype: str, island: int, contributes: bool) -> torch.Tensor:
+    """One island's bytes for a healing sync: its header, then `flat` (fp32) encoded in whole rows (zeros after the
+    last value)."""
+    padded = torch.zeros(math.ceil(flat.numel() / ROW) * ROW, dtype=torch.float32, device=flat.device)
+    padded[:flat.numel()] = flat
+    header = torch.tensor([island, int(contributes)], dtype=torch.int32, device=flat.device).view(torch.uint8)
+    return torch.cat([header, encode(padded, dtype)])
+
+
+def mean_of_contributions(parts: list[torch.Tensor], dtype: str, length: int) -> tuple[torch.Tensor, int]:
+    """The islands' mean from every quorum member's pack_contribution(), and how many islands it averages: those
+    that contribute, decoded and summed in island order, the mean then rounded through the encoding as start_mean's
+    all-gather rounds it, so that it equals start_mean's bit for bit over the same islands (rows never straddle
+    its chunks) and every member computes the same bits from the same gathered bytes."""
+    values = math.ceil(length / ROW) * ROW
+    islands = [(int(island), bool(on), part[_HEADER_BYTES:]) for part in parts
+               for island, on in [part[:_HEADER_BYTES].clone().view(torch.int32).tolist()]]
+    counted = [data for _, on, data in sorted(islands, key=lambda entry: entry[0]) if on]
+    mean = average_decoded(counted, dtype, values)
+    return decode(encode(mean, dtype), dtype, values)[:length], len(counted)

@@ -55,6 +55,11 @@ class OuterSync:
     # -- the step ---------------------------------------------------------------------------------------------
     def after_inner_step(self) -> None:
         self.inner_steps += 1
+        self.sync_due()
+
+    def sync_due(self) -> None:
+        """Start the outer all-reduce and apply the outer step the schedule places after the inner step reached
+        (also: a healed island, at its peers' inner step, finishing the sync they are in)."""
         started = self.schedule.started_after(self.inner_steps)
         if started is not None:
             self.pending[started] = self._start(started)
@@ -67,11 +72,6 @@ class OuterSync:
         members = self.fragments[fragment]
         flat = torch.cat([(self.global_copy[i] - local_view(self.params[i])).flatten() for i in members])
         return self.averager(flat.float())
-
-    def sync_now(self, fragment: int) -> None:
-        """Take, average and apply this fragment's outer step at once (a healed island finishing the sync its peers
-        are in)."""
-        self._apply(fragment, self._start(fragment))
 
     @torch.no_grad()
     def _apply(self, fragment: int, pending: PendingMean) -> None:

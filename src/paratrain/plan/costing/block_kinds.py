@@ -52,9 +52,9 @@ def dense_blocks(args: ModelArgs, part: str, layers: int) -> int:
 def with_dense_unit(moe: UnitTrace, dense: UnitTrace) -> UnitTrace:
     """`moe` (embedding, one MoE block, head) with `dense`'s block added as the unit "dense"."""
     out = dataclasses.replace(moe, params=dict(moe.params), param_count=dict(moe.param_count),
-                              param_tensors=dict(moe.param_tensors), segments=dict(moe.segments), ops=dict(moe.ops),
+                              param_tensors=dict(moe.param_tensors), trainable=dict(moe.trainable), segments=dict(moe.segments), ops=dict(moe.ops),
                               comm=dict(moe.comm), exit_freed=dict(moe.exit_freed))
-    for table in ("params", "param_count", "param_tensors", "exit_freed"):
+    for table in ("params", "param_count", "param_tensors", "trainable", "exit_freed"):
         source = getattr(dense, table)
         if "block" in source:
             getattr(out, table)["dense"] = source["block"]

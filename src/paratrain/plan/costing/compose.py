@@ -30,7 +30,7 @@ def unit_key(key: TraceKey, micro_batch: int, args=None) -> UnitKey:
     args = args or moe_block_args(key.args)
     return UnitKey(args=args, seq_len=key.seq_len, tp=key.tp, sp=key.sp, cp=key.cp, cp_impl=key.cp_impl,
                    ac=key.ac, dtype=key.dtype, device_type=key.device_type, micro_batch=micro_batch,
-                   loss_parallel=key.part == "whole" and key.tp > 1, ep=key.ep if args.moe else 1)
+                   loss_parallel=key.part == "whole" and key.tp > 1, ep=key.ep if args.moe else 1, lora=key.lora)
 
 
 def units_at(key: TraceKey, micro_batch: int) -> UnitTrace:
@@ -88,8 +88,8 @@ def interpolate(u1: UnitTrace, u2: UnitTrace, b: int) -> UnitTrace:
             for k, lst in u1.comm.items()}
     freed = {k: _lerp(v, u2.exit_freed.get(k, 0), t) for k, v in u1.exit_freed.items()}
     return UnitTrace(micro_batch=b, params=u1.params, param_count=u1.param_count, param_tensors=u1.param_tensors,
-                     segments=segs, ops=ops, comm=comm, block_out=round(_lerp(u1.block_out, u2.block_out, t)),
-                     exit_freed=freed)
+                     trainable=u1.trainable, segments=segs, ops=ops, comm=comm,
+                     block_out=round(_lerp(u1.block_out, u2.block_out, t)), exit_freed=freed)
 
 
 @dataclass
@@ -215,11 +215,12 @@ class Composed:
         """`value` (of a traced optimizer step, trace.py OneTrace) over the part's step: linear in the blocks, the
         MoE (or only) kind's traced at 1 and 2 blocks, each dense block adding the dense kind's share."""
         k = self.key
-        lo, hi = (trace_optimizer(moe_block_args(k.args), k.part, k.tp, k.device_type, n) for n in (1, 2))
+        lo, hi = (trace_optimizer(moe_block_args(k.args), k.part, k.tp, k.device_type, n, k.lora) for n in (1, 2))
         dense = self.dense(layers)
         total = value(lo) + (layers - dense - 1) * (value(hi) - value(lo))
         if dense:
-            one, two = (trace_optimizer(dense_block_args(k.args), "middle", k.tp, k.device_type, n) for n in (1, 2))
+            one, two = (trace_optimizer(dense_block_args(k.args), "middle", k.tp, k.device_type, n, k.lora)
+                        for n in (1, 2))
             total += dense * (value(two) - value(one))
         return total
 
@@ -232,6 +233,10 @@ class Composed:
             return params_of(self.ut, self.key.part, layers, self.dense(layers))
         if name == "grads":
             return sum(self.ut.seg("first", u, "bwd").grads_end * n * share.get(u, 1.0) for u, n in c.items())
+        if name == "trained_params":  # bytes of the parameters the optimizer steps: all of them, or LoRA's adapters
+            if not self.key.lora:
+                return params_of(self.ut, self.key.part, layers, self.dense(layers))
+            return sum(self.ut.trainable.get(u, 0) * n for u, n in c.items())
         if name == "param_tensors":
             return sum(self.ut.param_tensors.get(u, 0) * n for u, n in c.items())
         if name == "param_count":

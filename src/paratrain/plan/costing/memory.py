@@ -17,6 +17,7 @@ from paratrain.models.args import ModelArgs
 from paratrain.parallel.dims import techniques
 from paratrain.parallel.layout import Layout
 from paratrain.plan.costing.compose import trace
+from paratrain.plan.tracing.lora_trace import traced_lora
 from paratrain.plan.tracing.trace import PhasePeak, TraceKey
 
 GIB = 2**30
@@ -55,6 +56,11 @@ class MemoryEstimate:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
+    def parts(self) -> dict[str, int]:
+        """The parts and the total in bytes (gib() rounds to 4 decimals)."""
+        parts = {k: round(getattr(self, k)) for k in ("params", "grads", "optimizer", "activations", "other")}
+        return {**parts, "total": sum(parts.values())}
+
     def gib(self) -> dict[str, float]:
         parts = {k: getattr(self, k) / GIB for k in ("params", "grads", "optimizer", "activations", "other")}
         return {**{k: round(v, 4) for k, v in parts.items()}, "total": round(self.total / GIB, 4)}
@@ -85,7 +91,7 @@ def trace_key(args: ModelArgs, layout: Layout, part: str, seq_len: int, dtype: s
     return TraceKey(args=traced_shape(args), part=part, micro_batch=layout.micro_batch, seq_len=seq_len, tp=layout.tp,
                     sp=layout.sp and layout.splits_within_layers, cp=layout.cp, cp_impl=layout.cp_impl, ac=layout.ac,
                     dtype="bf16" if dtype == "fp8" else dtype, device_type=device_type,  # fp8: bf16 activations
-                    ep=layout.ep if args.moe else 1)
+                    ep=layout.ep if args.moe else 1, lora=traced_lora(args, layout))
 
 
 @dataclass

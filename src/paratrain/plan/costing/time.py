@@ -196,7 +196,9 @@ def chunk_time(profile: HardwareProfile, args: ModelArgs, layout: Layout, part: 
 def master_copy(profile: HardwareProfile, c: ChunkTime) -> float:
     """Seconds to write a chunk's fp32 master weights into its 16-bit model weights after the optimizer step (read
     4 bytes, write 2 per parameter; memory-bound), as a half-weights run does once per step."""
-    return profile.compute_scale * 6.0 * c.tr.scalar("param_count", c.layers) / (profile.mem_bw_gbs * 1e9)
+    # under LoRA only the adapters have masters: the frozen base is held in the compute dtype as it is
+    count = c.tr.scalar("trained_params", c.layers) / 4 if c.tr.key.lora else c.tr.scalar("param_count", c.layers)
+    return profile.compute_scale * 6.0 * count / (profile.mem_bw_gbs * 1e9)
 
 
 # -- the step ------------------------------------------------------------------------------------------------------

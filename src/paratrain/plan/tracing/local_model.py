@@ -104,7 +104,7 @@ def _shrink(module: nn.Module, colwise: bool, tp: int) -> None:
         shape = (w.shape[0] // tp, w.shape[1]) if colwise else (w.shape[0], w.shape[1] // tp)
     else:  # nn.Embedding: colwise splits the embedding dim, rowwise the vocabulary
         shape = (w.shape[0], w.shape[1] // tp) if colwise else (w.shape[0] // tp, w.shape[1])
-    module.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype))
+    module.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype), requires_grad=w.requires_grad)  # LoRA: frozen
     bias = getattr(module, "bias", None)
     if bias is not None and colwise:
         module.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype), requires_grad=bias.requires_grad)
@@ -347,11 +347,13 @@ def stage_args(args: ModelArgs, layers: int) -> ModelArgs:
 
 
 def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool, cp: int, cp_impl: str, ac: str,
-                      log: CommLog, loss_parallel: bool | None = None, ep: int = 1) -> nn.Module:
+                      log: CommLog, loss_parallel: bool | None = None, ep: int = 1, lora: tuple = ()) -> nn.Module:
     """The model one rank runs, on whatever fake/meta mode is active: `layers` blocks, this pipeline `part`,
-    TP-local shapes with simulated collectives, CP attention, activation checkpointing. `loss_parallel`
-    defaults to what the trainer does: vocab-sharded logits into the loss only without a pipeline."""
+    TP-local shapes with simulated collectives, CP attention, activation checkpointing, LoRA adapters on a
+    frozen base (`lora`: lora_trace.py). `loss_parallel` defaults to what the trainer does: vocab-sharded logits
+    into the loss only without a pipeline."""
     from paratrain.models.presets import build_model
+    from paratrain.plan.tracing.lora_trace import attach_traced_adapters, shard_traced_adapters
 
     model = build_model(stage_args(args, layers), "cpu", seed=None)
     if args.moe:
@@ -363,6 +365,8 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
     if part in ("first", "middle"):
         model.norm = None
         model.output = None
+    if lora:  # attached before the TP plan is applied, as the trainer does
+        attach_traced_adapters(model, lora)
     if tp > 1:
         from paratrain.models.plans import tp_plan_for
 
@@ -370,7 +374,10 @@ def build_local_model(args: ModelArgs, layers: int, part: str, tp: int, sp: bool
             model.output.weight is getattr(model.tok_embeddings, "tokens", model.tok_embeddings).weight
         # as the trainer runs it: without a pipeline the logits stay vocab-sharded into the loss (loss parallel)
         sharded_loss = part == "whole" if loss_parallel is None else loss_parallel
-        simulate_tp(model, tp_plan_for(model, tp, sp=sp, loss_parallel=sharded_loss), tp, log)
+        plan = tp_plan_for(model, tp, sp=sp, loss_parallel=sharded_loss)
+        simulate_tp(model, plan, tp, log)
+        if lora:
+            shard_traced_adapters(model, plan, tp, log)
         if tied:  # one shard of the table serves the lookup and the head, as under TiedColwiseParallel
             model.output.weight = model.tok_embeddings.tokens.weight
     if cp > 1:

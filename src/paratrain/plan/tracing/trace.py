@@ -56,6 +56,7 @@ class TraceKey:
     # with and without accumulation, the first micro-batch's peak is recorded on the way)
     accumulate: bool = True
     ep: int = 1  # --ep: the rank computes its E/ep experts (moe_trace.py)
+    lora: tuple = ()  # LoRA adapters on a frozen base (lora_trace.py TracedLora); () without
 
 
 @dataclass
@@ -184,30 +185,34 @@ def op_recorder(ops: dict, state: dict, log: CommLog, foreach_per_tensor: bool =
 
 
 @functools.lru_cache(maxsize=256)
-def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
+def trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int,
+                    lora: tuple = ()) -> OneTrace:
     """The optimizer step of one rank's part: its state bytes, the step's peak and ops. It depends only on the
-    parameter shapes, so every layout with the same TP split shares it (cached on disk too)."""
+    parameter shapes (and which of them train: `lora`), so every layout with the same TP split shares it (cached
+    on disk too)."""
     from paratrain.plan.tracing.trace_cache import cached
 
     if layers == 2 and part != "middle":
         # a second block adds the same tensors to every part: this part at 1 block plus a middle part's step
         # from 1 to 2 blocks (the planner's two depths: 4 parts cost 5 traces per TP degree, not 8)
-        derived = _plus_one_block(trace_optimizer(args, part, tp, device_type, 1),
-                                  trace_optimizer(args, "middle", tp, device_type, 1),
-                                  trace_optimizer(args, "middle", tp, device_type, 2))
+        derived = _plus_one_block(trace_optimizer(args, part, tp, device_type, 1, lora),
+                                  trace_optimizer(args, "middle", tp, device_type, 1, lora),
+                                  trace_optimizer(args, "middle", tp, device_type, 2, lora))
         if derived is not None:
             return derived
     if layers == 1 and part == "last" and not args.tie_embeddings:
         # the last part holds what the whole model holds minus the embedding: whole + middle - first (a search
         # traces the whole model first). Tied: traced as it is, the last part holding its own copy of the table
         # as the head (as the runtime's pipeline does: parallel/tied_weights.py)
-        derived = _plus_one_block(trace_optimizer(args, "whole", tp, device_type, 1),
-                                  trace_optimizer(args, "first", tp, device_type, 1),
-                                  trace_optimizer(args, "middle", tp, device_type, 1))
+        derived = _plus_one_block(trace_optimizer(args, "whole", tp, device_type, 1, lora),
+                                  trace_optimizer(args, "first", tp, device_type, 1, lora),
+                                  trace_optimizer(args, "middle", tp, device_type, 1, lora))
         if derived is not None:
             return derived
     key = {"args": args, "part": part, "tp": tp, "device_type": device_type, "layers": layers}
-    return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers), _decode_one)
+    if lora:  # the key without LoRA stays as it was
+        key["lora"] = lora
+    return cached("optimizer", key, lambda: _trace_optimizer(args, part, tp, device_type, layers, lora), _decode_one)
 
 
 def _plus_one_block(base: OneTrace, lo: OneTrace, hi: OneTrace) -> OneTrace | None:
@@ -244,7 +249,8 @@ def _decode_one(doc: dict) -> OneTrace:
     return one
 
 
-def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int) -> OneTrace:
+def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, layers: int,
+                     lora: tuple = ()) -> OneTrace:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -259,7 +265,7 @@ def _trace_optimizer(args: ModelArgs, part: str, tp: int, device_type: str, laye
     log = CommLog()
     log.dtensor = {} if tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = build_local_model(args, layers, part, tp, False, 1, "ring", "none", log)
+        model = build_local_model(args, layers, part, tp, False, 1, "ring", "none", log, lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # under TP every parameter is a DTensor, and so is its optimizer state
             log.tag(p)
@@ -300,7 +306,7 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     from paratrain.plan.tracing.tracker import LiveTensorTracker
     from paratrain.train.step import autocast_context, lm_loss
 
-    opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers)
+    opt_trace = trace_optimizer(key.args, key.part, key.tp, key.device_type, layers, key.lora)
     result = OneTrace(layers=layers, optimizer=opt_trace.optimizer)
     log = CommLog()
     seq_local = key.seq_len // key.cp
@@ -311,7 +317,7 @@ def trace_once(key: TraceKey, layers: int) -> OneTrace:
     log.dtensor = {} if key.tp > 1 else None
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(key.args, layers, key.part, key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
-                                  ep=key.ep)
+                                  ep=key.ep, lora=key.lora)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def snapshot() -> dict:

@@ -22,7 +22,8 @@ _TRACED_MODULES = ("paratrain.models", "paratrain.plan.tracing.local_model", "pa
                    "paratrain.plan.tracing.trace", "paratrain.plan.tracing.tracker", "paratrain.parallel.cp.ring_attention",
                    "paratrain.parallel.cp.ulysses", "paratrain.parallel.cp.cp_comm",
                    "paratrain.parallel.activation_checkpoint", "paratrain.train.step", "paratrain.train.optim",
-                   "paratrain.plan.tracing.moe_trace", "paratrain.costs.expert_spread")
+                   "paratrain.plan.tracing.moe_trace", "paratrain.costs.expert_spread",
+                   "paratrain.plan.tracing.lora_trace")
 
 
 def cache_dir() -> Path:

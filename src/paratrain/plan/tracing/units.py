@@ -42,6 +42,7 @@ class UnitKey:
     micro_batch: int = 1  # the traced micro-batch (1 and 2; others are interpolated)
     loss_parallel: bool = False  # TP logits stay vocab-sharded into the loss (no pipeline), as the trainer runs
     ep: int = 1  # --ep: the rank computes its E/ep experts (moe_trace.py)
+    lora: tuple = ()  # LoRA adapters on a frozen base (lora_trace.py TracedLora); () without
 
 
 @dataclass
@@ -58,7 +59,8 @@ class UnitTrace:
     micro_batch: int
     params: dict = field(default_factory=dict)  # unit -> parameter bytes
     param_count: dict = field(default_factory=dict)
-    param_tensors: dict = field(default_factory=dict)
+    param_tensors: dict = field(default_factory=dict)  # of those, the ones that train
+    trainable: dict = field(default_factory=dict)  # unit -> bytes of the parameters that train (LoRA: adapters)
     segments: dict = field(default_factory=dict)  # "pass/unit/dir" -> Segment
     ops: dict = field(default_factory=dict)  # "unit/phase" -> [(kind, flops, bytes, count, dtensor)]
     comm: dict = field(default_factory=dict)  # "unit/phase" -> [(kind, payload, group)]
@@ -171,7 +173,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
 
     with quiet_logs(), FakeTensorMode(allow_non_fake_inputs=True):
         model = build_local_model(key.args, 1, "whole", key.tp, key.sp, key.cp, key.cp_impl, key.ac, log,
-                                  loss_parallel=key.loss_parallel, ep=key.ep)
+                                  loss_parallel=key.loss_parallel, ep=key.ep, lora=key.lora)
         groups = _unit_of_params(model)
         params = [p for p in model.parameters() if p.requires_grad]
         tracker = LiveTensorTracker(op_hook=hook, resync=False)
@@ -217,8 +219,15 @@ def trace_units(key: UnitKey) -> UnitTrace:
         def block_pre(mod, args):
             boundary("block/fwd")
             x = args[0]
+            if key.lora and isinstance(x, torch.Tensor) and not x.requires_grad:
+                # a frozen embedding hands the first block an input without a gradient; every later block's
+                # input carries one (an earlier block's adapters), so the traced block stands for those
+                x = x.detach().requires_grad_()
+                x.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+                args = (x, *args[1:])
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 x.register_hook(lambda g: boundary("pre/bwd"))
+            return args
 
         def block_post(mod, args, out):
             result.block_out = out.numel() * out.element_size()
@@ -242,6 +251,7 @@ def trace_units(key: UnitKey) -> UnitTrace:
                 result.params[unit] = tracker.bytes_of(ps)
                 result.param_count[unit] = sum(p.numel() for p in ps)
                 result.param_tensors[unit] = sum(p.requires_grad for p in ps)
+                result.trainable[unit] = tracker.bytes_of([p for p in ps if p.requires_grad])
             for p in params:  # the accumulating micro-batch's gradients, there before it starts
                 p.grad = torch.zeros_like(p)
                 missing["params"].add(id(p))

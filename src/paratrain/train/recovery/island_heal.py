@@ -2,14 +2,16 @@
 
 Each island is one replica process (train/recovery/replica_launch.py starts and replaces them) with a whole copy of
 the model. Between syncs nothing is exchanged. At each fragment sync the island asks torchft's lighthouse for a
-quorum (the islands alive now), averages its outer gradient over it with torchft's fault-tolerant all-reduce, and
-applies the outer step only if every member committed; otherwise it asks again, with the islands still alive. An
+quorum (the islands alive now), averages its outer gradient over it through torchft's managed process group (fp32:
+its fault-tolerant all-reduce; bf16, int8, int4: an all-gather of outer_codec.py's encodings), and applies the
+outer step only if every member committed; otherwise it asks again, with the islands still alive. An
 island that died between two syncs is simply missing from the next one (its inner steps since the last sync are
 lost). Its replacement waits for the live islands' next sync, receives one's state there over torchft's
 process-group transport (replica_transport.py), never from disk: the step, the island's parameters and inner
 optimizer, the global copy, the outer momentum and the inner step; takes part in that sync contributing nothing
 (its outer gradient would repeat its source's) and trains on from it, so the islands' global copies stay
-bit-identical.
+bit-identical. With --fragment-delay T the sync is where a fragment's all-reduce starts: the committed mean waits
+T inner steps to be applied, as without healing (the exchange itself is not overlapped here).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from paratrain.parallel.collective_hooks import collective
 from paratrain.parallel.semi_sync.fragments import FragmentSchedule
-from paratrain.parallel.semi_sync.outer_codec import PendingMean
+from paratrain.parallel.semi_sync.outer_codec import PendingMean, mean_of_contributions, pack_contribution
 from paratrain.parallel.semi_sync.outer_sync import OuterSync
 from paratrain.train.recovery.replica_heal import NoPeerToJoin, load_replica_state, replica_state
 
@@ -76,25 +78,23 @@ class IslandHealer:
 
     # -- the sync -------------------------------------------------------------------------------------------------
     def _average(self, flat: torch.Tensor) -> PendingMean:
-        """The islands' mean of `flat` through torchft: quorum, all-reduce, commit; asked again until committed.
-        The sum carries a count of the islands that contributed: a joiner, whose outer gradient would repeat the one
-        of the island it copied, adds zeros and 0 (torchft, with synchronous quorums, counts it as a participant)."""
-        manager, weight = self.manager, 1.0 if self._contributes else 0.0
+        """The islands' mean of `flat` through torchft: quorum, exchange, commit; asked again until committed.
+        A joiner, whose outer gradient would repeat the one of the island it copied, is not counted (torchft, with
+        synchronous quorums, counts it as a participant)."""
+        manager = self.manager
         while True:
             if not self._in_quorum:
                 # the global step as torchft's: a replacement (at 0) is always behind the quorum, so it heals
                 manager.load_state_dict({"step": self.trainer.step + 1, "batches_committed": 0})
                 manager.start_quorum()
             self._in_quorum = False
-            total = torch.cat([flat * weight, flat.new_full((1,), weight)])
-            collective("outer_sync", "replicas", "all_reduce", None,
-                       functools.partial(_sum_over_quorum, manager, total), (total,))
+            finish = exchange_over_quorum(manager, flat, self.outer.outer_dtype, self.index, self._contributes)
             if manager.should_commit():
                 self._contributes = True
-                contributed = int(total[-1].item())
+                mean, contributed = finish()
                 if contributed < self.count:
                     self.syncs_short.append([self.trainer.step + 1, contributed])
-                return PendingMean.known(total[:-1] / total[-1])
+                return PendingMean.known(mean)
             error = manager.errored()
             log.warning("island %d: the sync after step %d was not committed (%s); syncing again with the islands "
                         "alive", self.index, self.trainer.step + 1,
@@ -113,15 +113,47 @@ class IslandHealer:
             if self.healed_at is None:
                 time.sleep(0.05)
         self._in_quorum, self._contributes = True, False
-        fragment = self.outer.schedule.applied_after(self.outer.inner_steps)
-        self.outer.sync_now(fragment)
+        self.outer.sync_due()  # with --fragment-delay, the sync it joined starts an all-reduce applied T steps on
         self.trainer.source.step = self.trainer.step  # its data goes on from the step it joined at
 
     def summary(self) -> dict:
         return {"replicas": self.count, "healed_at": self.healed_at, "short_syncs": self.syncs_short}
 
 
+def exchange_over_quorum(manager, flat: torch.Tensor, dtype: str, island: int, contributes: bool):
+    """This island's side of one sync's exchange over torchft's quorum; returns finish() -> (the mean, the islands
+    counted), to be called once the sync is committed (before, a failed exchange may have left anything).
+    fp32: one all-reduce of `flat` and a count (a joiner adds zeros and 0). bf16, int8, int4: an all-gather of every
+    member's encoded bytes (outer_codec.py), each then decoding and summing them in island order, so every island
+    gets the same bits, those start_mean gets without --heal-replicas."""
+    if dtype == "fp32":
+        weight = 1.0 if contributes else 0.0
+        total = torch.cat([flat * weight, flat.new_full((1,), weight)])
+        collective("outer_sync", "replicas", "all_reduce", None,
+                   functools.partial(_sum_over_quorum, manager, total), (total,))
+        return lambda: (total[:-1] / total[-1], int(total[-1].item()))
+    payload = pack_contribution(flat, dtype, island, contributes)
+    parts = [torch.zeros_like(payload) for _ in range(max(1, manager.num_participants()))]
+    collective("outer_sync", "replicas", "all_gather", None,
+               functools.partial(_gather_over_quorum, manager, parts, payload), (*parts, payload))
+    return lambda: mean_of_contributions(parts, dtype, flat.numel())
+
+
 def _sum_over_quorum(manager, tensor: torch.Tensor) -> None:
     from torch.distributed import ReduceOp
 
     manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+
+
+def _gather_over_quorum(manager, parts: list[torch.Tensor], payload: torch.Tensor) -> None:
+    """An all-gather over the quorum's process group; a failure is reported to the manager, as its own all-reduce
+    reports one, so the sync is not committed anywhere."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+    from torchft.process_group import ManagedProcessGroup
+
+    if manager.errored():
+        return
+    try:
+        ManagedProcessGroup(manager).allgather([parts], [payload], AllgatherOptions()).wait()
+    except Exception as exc:  # a peer lost mid-collective, as torchft treats it in its own all-reduce
+        manager.report_error(exc)

@@ -1,6 +1,8 @@
 """train --heal-replicas: start N replicas as separate processes around one torchft lighthouse, and replace a
-replica that dies (up to --max-restarts times) while the others keep training. Unlike the elastic launcher
-(train/launch.py), a lost process stops nobody: no gang restart, no checkpoint reload."""
+replica that dies (up to --max-restarts times) while the others keep training. A replica is one process (ddp), or
+one of hsdp's replicate groups of --dp-shard processes: a process lost in a group takes its group down (its other
+members are stopped, the whole group is restarted and heals on rejoining). Unlike the elastic launcher
+(train/launch.py), a lost replica stops no other replica: no gang restart, no checkpoint reload."""
 
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ from pathlib import Path
 from paratrain.errors import CheckFailed, UserError
 from paratrain.parallel.layout import DEGREE_DIMS
 from paratrain.parallel.strategies import resolve_layout
-from paratrain.train.recovery.replica_heal import ATTEMPT_ENV, COUNT_ENV, INDEX_ENV, LIGHTHOUSE_ENV
+from paratrain.train.recovery.replica_groups import GROUP_DIMS, heal_groups
+from paratrain.train.recovery.replica_heal import (
+    ATTEMPT_ENV,
+    COUNT_ENV,
+    GROUP_RANK_ENV,
+    GROUP_SIZE_ENV,
+    INDEX_ENV,
+    LIGHTHOUSE_ENV,
+)
 
 log = logging.getLogger("paratrain")
 
@@ -30,13 +40,24 @@ FINISH_GRACE_S = 30.0  # after a replica finished, how long those that trained w
 
 def check_heal_run(cfg, world: int, script) -> None:
     """UserError, in one line, for what --heal-replicas cannot run."""
-    # each replica is one process of world size 1: a degree (even --dp-replicate N) would be refused by every one
-    degrees = [f"{d.flag} {getattr(cfg, d.name)}" for d in DEGREE_DIMS if getattr(cfg, d.name) not in (None, 1)]
-    if cfg.strategy != "ddp" or degrees:
+    # a ddp replica is one process of world size 1 (a degree, even --dp-replicate N, would be refused by every one);
+    # an hsdp replicate group runs FSDP over --dp-shard ranks and nothing else
+    degrees = [f"{d.flag} {getattr(cfg, d.name)}" for d in DEGREE_DIMS if getattr(cfg, d.name) not in (None, 1)
+               and (cfg.strategy != "hsdp" or d not in GROUP_DIMS)]
+    if cfg.strategy == "hsdp" and degrees:
+        raise UserError(f"--heal-replicas heals hsdp's replicate groups, each FSDP over --dp-shard ranks and no other "
+                        f"degree (got {' '.join(degrees)}): drop it, or heal whole replicas with --strategy ddp")
+    if cfg.strategy not in ("ddp", "hsdp") or degrees:
         got = " ".join(([] if cfg.strategy == "ddp" else [f"--strategy {cfg.strategy}"]) + degrees)
         replicas = cfg.dp_replicate if (cfg.dp_replicate or 1) > 1 else max(world, cfg.nproc, 2)
-        raise UserError(f"--heal-replicas runs whole-model replicas, one device each, and takes no parallel degree "
-                        f"(got {got}): ask for {replicas} replicas with --strategy ddp --nproc {replicas}")
+        raise UserError(f"--heal-replicas runs whole-model replicas, one device each, or hsdp's replicate groups, and "
+                        f"takes no other parallel degree (got {got}): ask for {replicas} replicas with --strategy ddp "
+                        f"--nproc {replicas}")
+    if cfg.strategy == "hsdp":
+        heal_groups(cfg, world)  # hsdp's own degrees: two groups or more, of two ranks or more
+        if cfg.semi_sync:
+            raise UserError("--heal-replicas --semi-sync heals one-process islands (--strategy ddp), not hsdp's "
+                            "replicate groups")
     if cfg.ddp_comm_hook != "none" or cfg.local_sgd_period:
         raise UserError("--heal-replicas averages plain gradients over the replicas alive: it takes no "
                         "--ddp-comm-hook or --local-sgd-period")
@@ -67,20 +88,36 @@ def check_heal_run(cfg, world: int, script) -> None:
 
 
 def _replica_dir(run_dir: Path, index: int, attempt: int) -> Path:
-    """Replica 0's first process writes the run's own metrics.jsonl; the others each a directory of their own."""
+    """Replica 0's first process (group) writes the run's own metrics.jsonl; the others each a directory of their
+    own (a group's ranks share it: rank 0 writes the metrics, each rank its own hang/rank-N files)."""
     return run_dir if (index, attempt) == (0, 0) else run_dir / "replicas" / f"r{index}-a{attempt}"
 
 
 class _Replica:
-    def __init__(self, index: int, attempt: int, proc, summary: Path):
-        self.index, self.attempt, self.proc, self.summary = index, attempt, proc, summary
+    """One replica's processes (one, or a replicate group's ranks), started and stopped together."""
+
+    def __init__(self, index: int, attempt: int, procs: list, summary: Path):
+        self.index, self.attempt, self.procs, self.summary = index, attempt, procs, summary
 
     def poll(self) -> int | None:
-        return self.proc.exitcode
+        """0 once every process exited 0; a failed process's exit code as soon as one failed; None while running."""
+        failed = self.failed()
+        if failed is not None:
+            return failed.exitcode
+        return None if any(proc.exitcode is None for proc in self.procs) else 0
+
+    def failed(self):
+        """The process that failed, if one did: one killed by a signal first (the cause, where its group's other
+        ranks then fail on it)."""
+        failed = [proc for proc in self.procs if proc.exitcode not in (None, 0)]
+        return min(failed, key=lambda proc: proc.exitcode >= 0) if failed else None
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
 
 
 def _forkserver():
@@ -91,9 +128,11 @@ def _forkserver():
     return ctx
 
 
-def run_replicas(cfg, run_dir: Path, count: int) -> dict:
-    """Train `count` replicas to cfg.steps; returns the summary of the lowest-numbered replica that finished,
-    with the run's replica fields (replica_restarts, replicas_finished) added."""
+def run_replicas(cfg, run_dir: Path, world: int) -> dict:
+    """Train the replicas of a run of `world` processes (heal_groups) to cfg.steps; returns the summary of the
+    lowest-numbered replica that finished, with the run's replica fields (replica_restarts, replicas_finished)
+    added."""
+    count, size = heal_groups(cfg, world)
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft.coordination import LighthouseServer
 
@@ -103,7 +142,8 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
     address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     state_dir = run_dir / "replicas"
     state_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (*state_dir.glob("barrier/up-*"), *state_dir.glob("joined-*"), *state_dir.glob("summary-*")):
+    for stale in (*state_dir.glob("barrier/up-*"), *state_dir.glob("joined-*"), *state_dir.glob("summary-*"),
+                  *state_dir.glob("store-*")):
         stale.unlink()  # left by an earlier run in this run directory (a resumed one)
     cfg_path = state_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg.model_dump()))
@@ -114,19 +154,25 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
         out = _replica_dir(run_dir, index, attempt)
         out.mkdir(parents=True, exist_ok=True)
         summary = state_dir / f"summary-r{index}-a{attempt}.json"
-        env = {INDEX_ENV: str(index), COUNT_ENV: str(count), ATTEMPT_ENV: str(attempt), LIGHTHOUSE_ENV: address,
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // count)),
-               **{k: v for k, v in os.environ.items() if k.startswith("PARATRAIN_") or k == "PYTHONPATH"}}
-        if cfg.device != "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") is None:
-            import torch
-
-            if torch.cuda.is_available():
-                env["CUDA_VISIBLE_DEVICES"] = str(index % torch.cuda.device_count())
         from paratrain.train.recovery.replica_worker import run_replica_process
 
-        proc = ctx.Process(target=run_replica_process, args=(env, str(cfg_path), str(out), str(summary)))
-        proc.start()
-        return _Replica(index, attempt, proc, summary)
+        procs = []
+        for rank in range(size):
+            env = {INDEX_ENV: str(index), COUNT_ENV: str(count), ATTEMPT_ENV: str(attempt), LIGHTHOUSE_ENV: address,
+                   GROUP_RANK_ENV: str(rank), GROUP_SIZE_ENV: str(size),
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world)),
+                   **{k: v for k, v in os.environ.items() if k.startswith("PARATRAIN_") or k == "PYTHONPATH"}}
+            if size > 1:  # the group's own process group (its store: replica_worker.py)
+                env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK="0")
+            if cfg.device != "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+                import torch
+
+                if torch.cuda.is_available():
+                    env["CUDA_VISIBLE_DEVICES"] = str((index * size + rank) % torch.cuda.device_count())
+            proc = ctx.Process(target=run_replica_process, args=(env, str(cfg_path), str(out), str(summary)))
+            proc.start()
+            procs.append(proc)
+        return _Replica(index, attempt, procs, summary)
 
     running = [start(i, 0) for i in range(count)]
     finished: dict[int, dict] = {}
@@ -144,10 +190,12 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
                     finish_deadline = finish_deadline or time.monotonic() + FINISH_GRACE_S
                     continue
                 user_error = user_error or code == EXIT_USER_ERROR
+                pid = rep.failed().pid
+                rep.kill()  # the rest of its group: a replica group trains and heals whole
                 if code == EXIT_NO_PEER:
                     continue
-                log.warning("replica %d (pid %d) exited with %s; the other replicas go on", rep.index,
-                            rep.proc.pid, _exit_text(code))
+                log.warning("replica %d (pid %d) exited with %s; the other replicas go on", rep.index, pid,
+                            _exit_text(code))
                 if not finished and not user_error and restarts < cfg.max_restarts and running:
                     restarts += 1
                     running.append(start(rep.index, rep.attempt + 1))
@@ -170,7 +218,7 @@ def run_replicas(cfg, run_dir: Path, count: int) -> dict:
         raise CheckFailed(f"no replica finished the run ({restarts} restarts of --max-restarts "
                           f"{cfg.max_restarts})")
     summary = finished[min(finished)]
-    layout = resolve_layout(cfg, count)  # the run as a whole: ddp over the replicas, where each one saw world 1
+    layout = resolve_layout(cfg, world)  # the run as a whole (ddp over the replicas, where each one saw world 1)
     summary.update(world_size=layout.world, dims=layout.degrees(), layout=layout.to_dict(),
                    replica_restarts=restarts, replicas_finished=sorted(finished), healed_at=heals_of(state_dir))
     return summary

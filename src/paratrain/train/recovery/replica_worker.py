@@ -1,6 +1,7 @@
-"""One replica of train --heal-replicas: a process of its own, forked by train/recovery/replica_launch.py (or
-python -m paratrain.train.recovery.replica_worker CONFIG RUNDIR SUMMARY). It trains a whole copy of the model on its
-slice of each global batch, with its gradients averaged over the replicas alive (train/recovery/replica_heal.py)."""
+"""One process of train --heal-replicas, forked by train/recovery/replica_launch.py (or python -m
+paratrain.train.recovery.replica_worker CONFIG RUNDIR SUMMARY): a whole replica (ddp), or one rank of an hsdp replicate
+group (FSDP2 over the group's ranks, which meet on the group's own loopback store). It trains on its slice of each
+global batch, with its gradients averaged over the replicas alive (train/recovery/replica_heal.py)."""
 
 from __future__ import annotations
 
@@ -19,32 +20,40 @@ EXIT_USER_ERROR = 2
 EXIT_NO_PEER = 3  # a replacement that found nobody to copy: not a failure of the run
 
 
-def wait_for_peers(barrier_dir: Path, index: int, count: int, timeout_s: float) -> None:
-    """The first replicas start their first step together, so none starts a quorum alone and is then healed.
-    A file per replica in the run directory: no socket beyond torchft's."""
+def wait_for_peers(barrier_dir: Path, me: str, count: int, timeout_s: float) -> None:
+    """The first replicas' `count` processes start their first step together, so none starts a quorum alone and is
+    then healed. A file per process (`me`: "INDEX" or "INDEX-RANK") in the run directory: no socket beyond torchft's."""
     barrier_dir.mkdir(parents=True, exist_ok=True)
-    (barrier_dir / f"up-{index}").touch()
+    (barrier_dir / f"up-{me}").touch()
     deadline = time.monotonic() + timeout_s
     while len(list(barrier_dir.glob("up-*"))) < count:
         if time.monotonic() > deadline:
-            raise UserError(f"replica {index}: the other replicas did not start within {timeout_s:g} s")
+            raise UserError(f"replica {me}: the other replicas did not start within {timeout_s:g} s")
         time.sleep(0.05)
 
 
 def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
+    import torch.distributed as dist
+
     from paratrain.config import TrainConfig
+    from paratrain.parallel.collective_hooks import collective
+    from paratrain.train.recovery.replica_groups import group_layout
     from paratrain.train.recovery.replica_heal import (
         LIGHTHOUSE_ENV,
         NoPeerToJoin,
         ReplicaHealer,
+        group_identity,
+        group_store,
         make_manager,
         replica_identity,
     )
+    from paratrain.train.rendezvous import pin_to_loopback
     from paratrain.train.runtime import init_runtime
     from paratrain.train.trainer import Trainer
     from paratrain.train.worker import start_flight_recorder
 
     index, count, attempt = replica_identity()
+    rank, size = group_identity()  # (0, 1): a whole-model replica
     cfg = TrainConfig(**json.loads(Path(cfg_path).read_text()))
     if attempt > 0:  # a replacement copies a live peer; an older checkpoint on disk would be the wrong state
         cfg = cfg.model_copy(update={"resume": "never"})
@@ -53,19 +62,27 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
         cfg = cfg.model_copy(update={"ckpt_every": 0, "ckpt_dir": run_checkpoints})
     # this process's black box (train/recovery/flight_recorder.py), before any process group exists: under its own
     # output directory (RUNDIR for replica 0's first process, else RUNDIR/replicas/rI-aA), hang/rank-INDEX.json
-    recorder = start_flight_recorder(index, run_dir, cfg.timeout_s, torch_dumps=False) if cfg.flight_recorder \
-        else None
-    rt = init_runtime(cfg.device, cfg.timeout_s)
-    out = Path(run_dir)
-    trainer = Trainer(cfg, rt, out, quiet=index != 0, data_shard=(index, count))
-    manager, store = make_manager(rt.device_type, index, os.environ[LIGHTHOUSE_ENV], cfg.timeout_s)
+    # (rank-N: N the process's place in the run, INDEX * group size + rank)
+    recorder = start_flight_recorder(index * size + rank, run_dir, cfg.timeout_s, torch_dumps=False) \
+        if cfg.flight_recorder else None
     state_dir = Path(summary_path).parent
+    pin_to_loopback()  # the group's gloo/NCCL listeners, the replicas' torchft group's too
+    # a replica group's ranks meet on its own loopback store (rank 0 serves it): FSDP's group and torchft's manager
+    store = group_store(cfg.timeout_s, rank, state_dir / f"store-r{index}-a{attempt}.port" if size > 1 else None)
+    rt = init_runtime(cfg.device, cfg.timeout_s, store=dist.PrefixStore("group", store[0]) if size > 1 else None)
+    out = Path(run_dir)
+    trainer = Trainer(cfg, rt, out, quiet=(index, rank) != (0, 0), data_shard=(index * size + rank, count * size),
+                      layout=group_layout(cfg, size) if size > 1 else None)
+    manager, store = make_manager(rt.device_type, index, os.environ[LIGHTHOUSE_ENV], cfg.timeout_s, store,
+                                  (rank, size))
     joined = state_dir / f"joined-r{index}-a{attempt}.json"  # the supervisor reads it (replica_launch.py)
 
     def record_heal(healed_at: dict) -> None:
-        write_json(joined, {"replica": index, "attempt": attempt, **healed_at})
+        if rank == 0:  # one record a replica group: its ranks all copy from the same live group
+            write_json(joined, {"replica": index, "attempt": attempt, **healed_at})
 
-    together = None if attempt else (lambda: wait_for_peers(state_dir / "barrier", index, count, cfg.timeout_s))
+    me = str(index) if size == 1 else f"{index}-{rank}"
+    together = None if attempt else (lambda: wait_for_peers(state_dir / "barrier", me, count * size, cfg.timeout_s))
     try:
         if cfg.semi_sync:  # an island: it meets the others only at its syncs (island_heal.py)
             from paratrain.train.recovery.island_heal import IslandHealer
@@ -77,8 +94,10 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
                 together()
         else:
             healer = ReplicaHealer(trainer, manager, index, count, on_heal=record_heal, replacement=attempt > 0,
-                                   before_first_step=together)
+                                   before_first_step=together, group=(rank, size))
         summary = trainer.fit()
+        if size > 1:  # rank 0 serves the group's store and torchft's manager: it leaves last
+            collective("replica_group_exit", "world", "barrier", None, dist.barrier)
     except NoPeerToJoin as exc:
         log.warning("%s; this replacement stops", exc)
         return EXIT_NO_PEER
@@ -91,7 +110,8 @@ def run_replica(cfg_path: str, run_dir: str, summary_path: str) -> int:
     if recorder is not None:
         recorder.close()
     summary.update(healer.summary(), replica=index, attempt=attempt, pid=os.getpid())
-    write_json(Path(summary_path), summary)
+    if rank == 0:  # the replica's summary (a group's ranks all end at the same step, with the same heals)
+        write_json(Path(summary_path), summary)
     del store
     return 0
 
@@ -110,10 +130,10 @@ def run_replica_process(env: dict[str, str], *argv: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from paratrain.train.recovery.replica_heal import INDEX_ENV
+    from paratrain.train.recovery.replica_heal import INDEX_ENV, group_identity
 
-    index = int(os.environ.get(INDEX_ENV, "0"))
-    logging.basicConfig(level=logging.INFO if index == 0 else logging.WARNING, format="paratrain: %(message)s",
+    first = int(os.environ.get(INDEX_ENV, "0")) == 0 and group_identity()[0] == 0  # replica 0's (first) rank
+    logging.basicConfig(level=logging.INFO if first else logging.WARNING, format="paratrain: %(message)s",
                         stream=sys.stderr, force=True)
     # a healing replica's copy arrives in a read-only buffer that torch wraps, warning once; it is copied in
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
