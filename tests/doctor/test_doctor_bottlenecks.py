@@ -49,9 +49,10 @@ def causes(report):
 @pytest.mark.timeout(300)
 def test_sleeping_loader_is_data_loading_and_trace_opens(cli_here, tmp_path):
     # one layer, one 8-token sequence: a step takes a few ms, the loader 50 ms per batch, or 3x the longest step
-    # where a busy machine makes that longer (support/step_share.py)
+    # where a busy machine makes that longer (support/step_share.py); 6 measured steps, so that one preempted step
+    # moves the shares less
     toml = 'model = "tiny"\nn_layers = 1\nseq_len = 8\nglobal_batch = 1\nstrategy = "single"\nnproc = 1\n'
-    report = doctor(cli_here, tmp_path, "--steps", "3", "--trace", "trace.json", toml=toml,
+    report = doctor(cli_here, tmp_path, "--steps", "6", "--trace", "trace.json", toml=toml,
                     env=plugin_env("support.loader_delay:plugin", PARATRAIN_TEST_LOADER_DELAY_S="0.05",
                                    PARATRAIN_TEST_DELAY_STEP_SHARE="3"))
     assert report["findings"][0]["cause"] == "data_loading", causes(report)
