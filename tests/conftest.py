@@ -132,35 +132,27 @@ def _environment_restored():
         os.environ.update(saved)
 
 
-# -- two pytest workers (pytest-xdist; pyproject's addopts: -n 2) ---------------------------------------------------
+# -- two pytest workers (pytest-xdist: python -m pytest -n 2) -------------------------------------------------------
 # a test file that names one of these reads the shared 2- and 4-rank groups (groups.py)
 SHARED_GROUP_FIXTURES = re.compile(r"\b(two_ranks|four_ranks|eval_ckpts|generate_ckpts)\b")
-# a test file with a fixture built once per module (or session) for its tests
-OWN_LASTING_FIXTURE = re.compile(r"scope=[\"'](module|session)[\"']")
 
 
 @functools.cache
-def unit_of_file(path: Path) -> str | None:
-    """The unit a test file's tests are scheduled as: "shared-groups", the file, or None (each test alone)."""
-    if path.suffix != ".py":
-        return None
-    source = path.read_text()
-    if SHARED_GROUP_FIXTURES.search(source):
-        return "shared-groups"
-    return str(path) if OWN_LASTING_FIXTURE.search(source) else None
+def reads_shared_groups(path: Path) -> bool:
+    return path.suffix == ".py" and bool(SHARED_GROUP_FIXTURES.search(path.read_text()))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Each test to the next free worker, except: every file that reads the shared groups goes to one worker as one
-    unit, scheduled first (the largest): the groups launch once on each worker that asks for them, and they are the
-    suite's longest setup; a file with its own module fixture goes whole (built once). Single tests balance the two
-    workers' ends. (xdist's --dist loadgroup marks do nothing under pytest 9.2, which no longer reads the node id
-    xdist rewrites.)"""
+    """Whole files to a worker (a file's module fixtures built once), and every file that reads the shared groups
+    to one worker, as one unit scheduled first (the largest): the groups launch once on each worker that asks for
+    them, and they are the suite's longest setup. (xdist's --dist loadgroup marks are lost under pytest 9.2, which
+    no longer reads the node id xdist rewrites.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedGroupsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return unit_of_file(config.rootpath / nodeid.split("::", 1)[0]) or nodeid
+            path = nodeid.split("::", 1)[0]
+            return "shared-groups" if reads_shared_groups(config.rootpath / path) else path
 
     return SharedGroupsTogether(config, log)
