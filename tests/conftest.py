@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import re
@@ -10,6 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread per process, as CI exports and as helpers.cli_env gives a subprocess: set before torch is
+# imported. Two workers share two cores; a second thread per process only spins against the other worker
+# (measured: the suite on two workers took 555 s so, 595 to 625 s with torch's default of one thread per core).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from groups import APPROX_RUNS, APPROX_STEPS, VERIFY, launch
 from helpers import CLIResult, run_cli
@@ -156,3 +163,40 @@ def pytest_xdist_make_scheduler(config, log):
             return "shared-groups" if reads_shared_groups(config.rootpath / path) else path
 
     return SharedGroupsTogether(config, log)
+
+
+# -- tests that measure shares of a step run alone: nothing else of this suite beside them ------------------------
+# Under -n 2 every test holds a shared lock while it runs (setup, call, teardown: a shared group's launch too) and
+# an `alone` test an exclusive one, so the doctor's and the monitor's findings are taken on a machine that this
+# suite does not load with a second worker (they must still hold beside other programs: two `yes` in the README's
+# check). A turnstile stops the other worker's next test from slipping in ahead of a waiting alone test.
+@functools.cache
+def _suite_locks() -> tuple[int, int] | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return None
+    base = Path(tempfile.gettempdir()) / f"paratrain-suite-{run}"
+    return tuple(os.open(f"{base}.{name}", os.O_RDWR | os.O_CREAT, 0o600) for name in ("turnstile", "lock"))
+
+
+@contextlib.contextmanager
+def _suite_lock(alone: bool):
+    locks = _suite_locks()
+    if locks is None:
+        yield
+        return
+    turnstile, lock = locks
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside pytest-timeout's timer (tryfirst: the outer wrapper): a wait for the other worker is not the test's."""
+    with _suite_lock(item.get_closest_marker("alone") is not None):
+        yield

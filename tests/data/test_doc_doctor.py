@@ -15,6 +15,9 @@ from helpers import plugin_env
 from paratrain.doctor.rules import diagnose
 from support.doc_corpus import make_corpus
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 
 def test_data_loading_fix_names_workers_and_pre_tokenized_data():
     slow = [capture(iteration=0.2, data=0.1)]

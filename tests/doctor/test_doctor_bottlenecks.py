@@ -12,6 +12,9 @@ import pytest
 
 from helpers import plugin_env
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 CONTRACT = {"breakdown", "findings", "trace"}
 BREAKDOWN = {"compute", "communication_exposed", "data_wait", "host_overhead", "bubble", "other"}
 

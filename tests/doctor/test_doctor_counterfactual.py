@@ -21,6 +21,9 @@ import pytest
 from doctor.html_browser import page_text
 from helpers import cli_env
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Freed blocks up to 32 MiB (the largest gradient here is 16 MiB) stay in the heap and the heap is never trimmed,
 # so a step reuses the pages the previous one freed. Unpinned, the one-rank step took 8k, 12k or 16k minor page

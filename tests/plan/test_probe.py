@@ -12,6 +12,9 @@ from paratrain.plan.costing.time import TimeEstimate
 from paratrain.plan.probe_refit import Probe, choose, format_probe_table
 from paratrain.plan.search import Candidate
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 
 def candidate(predicted: float, **degrees) -> Candidate:
     return Candidate(Layout(**degrees), time=TimeEstimate(step_s=predicted), feasible=True)

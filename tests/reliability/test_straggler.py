@@ -11,6 +11,9 @@ import pytest
 from reliability.inproc import launch_here
 from reliability.straggler_worker import STRATEGIES, run_cases
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 
 def events(run_dir, kind):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

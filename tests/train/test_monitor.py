@@ -9,6 +9,9 @@ import pytest
 
 from helpers import plugin_env
 
+# what these tests measure is a share of a step's time: under -n no other test runs beside them (conftest.py)
+pytestmark = pytest.mark.alone
+
 RUN = ("train", "--model", "tiny", "--strategy", "single", "--nproc", "1", "--global-batch", "2", "--seq-len", "16",
        "--steps", "13", "--monitor", "--monitor-every", "3", "--monitor-windows", "2", "--json", "--resume", "never")
 
