@@ -170,13 +170,22 @@ def pytest_xdist_make_scheduler(config, log):
 # an `alone` test an exclusive one, so the doctor's and the monitor's findings are taken on a machine that this
 # suite does not load with a second worker (they must still hold beside other programs: two `yes` in the README's
 # check). A turnstile stops the other worker's next test from slipping in ahead of a waiting alone test.
+def _suite_lock_paths() -> list[Path]:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = Path(tempfile.gettempdir()) / f"paratrain-suite-{run}"
+    return [Path(f"{base}.{name}") for name in ("turnstile", "lock")] if run else []
+
+
 @functools.cache
 def _suite_locks() -> tuple[int, int] | None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
-        return None
-    base = Path(tempfile.gettempdir()) / f"paratrain-suite-{run}"
-    return tuple(os.open(f"{base}.{name}", os.O_RDWR | os.O_CREAT, 0o600) for name in ("turnstile", "lock"))
+    paths = _suite_lock_paths()
+    return tuple(os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths) if paths else None
+
+
+def pytest_sessionfinish(session):
+    """A worker done with its tests removes the lock files (the other worker keeps the ones it holds open)."""
+    for path in _suite_lock_paths():
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
