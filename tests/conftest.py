@@ -188,24 +188,36 @@ def pytest_sessionfinish(session):
         path.unlink(missing_ok=True)
 
 
+def _alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+_exclusive_held = False  # kept from one alone test to the next on this worker: one wait per run of them, not each
+
+
 @contextlib.contextmanager
-def _suite_lock(alone: bool):
+def _suite_lock(item, nextitem):
+    global _exclusive_held
     locks = _suite_locks()
     if locks is None:
         yield
         return
     turnstile, lock = locks
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
-    fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    if not _exclusive_held:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if _alone(item) else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        _exclusive_held = _alone(item)
     try:
         yield
     finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
+        if not (_exclusive_held and _alone(nextitem)):
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            _exclusive_held = False
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Outside pytest-timeout's timer (tryfirst: the outer wrapper): a wait for the other worker is not the test's."""
-    with _suite_lock(item.get_closest_marker("alone") is not None):
+    with _suite_lock(item, nextitem):
         yield
