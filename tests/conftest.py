@@ -139,7 +139,7 @@ def _environment_restored():
         os.environ.update(saved)
 
 
-# -- two pytest workers (pytest-xdist: python -m pytest -n 2) -------------------------------------------------------
+# -- two pytest workers (pytest-xdist; pyproject's addopts: -n 2) ---------------------------------------------------
 # a test file that names one of these reads the shared 2- and 4-rank groups (groups.py)
 SHARED_GROUP_FIXTURES = re.compile(r"\b(two_ranks|four_ranks|eval_ckpts|generate_ckpts)\b")
 

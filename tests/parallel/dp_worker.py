@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,23 +30,6 @@ from paratrain.train.runtime import init_runtime, shutdown
 from paratrain.train.trainer import Trainer
 from paratrain.train.validate import validate_run
 from paratrain.verify.parity import verify_in_group
-
-# seconds each check took on rank 0 (the report's "seconds"): where the groups' time goes
-SECONDS: dict[str, float] = {}
-
-
-class TimedReport(dict):
-    """The report; each section's seconds (since the previous section ended) go to SECONDS as it is stored."""
-
-    def __init__(self, **items):
-        self.mark = time.perf_counter()
-        super().__init__(**items)
-
-    def __setitem__(self, key, value):
-        now = time.perf_counter()
-        SECONDS[key] = round(now - self.mark, 2)
-        self.mark = now
-        super().__setitem__(key, value)
 
 
 def config(rt, **overrides) -> TrainConfig:
@@ -62,10 +44,8 @@ def run_verify(rt, specs: list[dict]) -> list[dict]:
         fields = {k: v for k, v in spec.items() if k != "id"}
         cfg = config(rt, **fields)
         validate_run(cfg, rt.world_size)
-        started = time.perf_counter()
         report = verify_in_group(cfg, rt)
         if rt.is_main:
-            SECONDS[f"verify:{spec['id']}"] = round(time.perf_counter() - started, 2)
             out.append({"id": spec["id"], "world_size": rt.world_size,
                         **{k: report[k] for k in ("strategy", "dims", "dtype", "passed", "checks", "max_loss_abs_diff",
                                                   "max_grad_rel_diff", "max_param_abs_diff", "model_state_bytes",
@@ -171,8 +151,7 @@ def run_approx(rt, steps: int, runs: dict) -> dict:
 def run(spec: dict) -> dict | None:
     """Every check SPEC names, in this process group; rank 0's report (None on the other ranks)."""
     rt = init_runtime("cpu", 120.0)
-    report = TimedReport(world_size=rt.world_size)
-    report["verify"] = run_verify(rt, spec.get("verify", []))
+    report = {"world_size": rt.world_size, "verify": run_verify(rt, spec.get("verify", []))}
     if spec.get("comm"):
         report["comm"] = run_comm(rt)
     if spec.get("ckpt_save") or spec.get("ckpt_load"):
@@ -236,7 +215,6 @@ def run(spec: dict) -> dict | None:
     dist.barrier()
     gc.collect()  # free the trainers (DDP reducers) while the groups are registered: see train/worker.py
     shutdown()
-    report["seconds"] = SECONDS
     return json.loads(json.dumps(report)) if rt.is_main else None  # plain data, as a JSON line would carry
 
 
