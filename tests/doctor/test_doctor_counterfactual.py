@@ -4,10 +4,11 @@ The doctor's communication cost where its alone probe runs (each rank runs the s
 peer waits: the gradient sync plus the contention two ranks cause on shared cores) is checked against the plain
 measurement: the same per-rank step on two ranks minus on one rank, within a quarter of it (issue #20).
 Both are measured side by side, round by round, in one launch (counterfactual_worker.py), so the machine's
-changing load hits them alike, with glibc's allocator pinned (GLIBC_PIN) so that the one-rank reference does not
-page-fault a varying number of fresh gradient pages per step (docs/doctor.md). Then the CLI: the doctor's communication finding carries the cost and is
-ranked by it, and its HTML report shows the key numbers (rendered in headless Chromium where it is installed,
-always in CI: tests/doctor/html_browser.py).
+changing load hits them alike, for as many rounds as the rounds' own spread needs to decide the bound (a busy
+machine's step varies by half from round to round), with glibc's allocator pinned (GLIBC_PIN) so that the
+one-rank reference does not page-fault a varying number of fresh gradient pages per step (docs/doctor.md). Then
+the CLI: the doctor's communication finding carries the cost and is ranked by it, and its HTML report shows the
+key numbers (rendered in headless Chromium where it is installed, always in CI: tests/doctor/html_browser.py).
 """
 
 import json
@@ -29,31 +30,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # so a step reuses the pages the previous one freed. Unpinned, the one-rank step took 8k, 12k or 16k minor page
 # faults per step (46, 52 or 57 ms), held for a whole launch in 2 of 10: the reference, not the probe, moved.
 GLIBC_PIN = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
-ROUNDS = 16
+# at least 16 rounds (a quiet machine decides in 16 to 19), at most 96 (beside two busy processes: 29 to 53)
+MIN_ROUNDS, MAX_ROUNDS, TOLERANCE = 16, 96, 0.25
 LARGE_DDP = 'model = "tiny"\nvocab_size = 16384\ndim = 256\nffn_dim = 512\nn_layers = 1\nseq_len = 16\n'
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_sync_probe_matches_two_ranks_minus_one_side_by_side():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "counterfactual_worker.py"), str(ROUNDS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=cli_env(GLIBC_PIN),
+           os.path.join(HERE, "counterfactual_worker.py"), str(MIN_ROUNDS), str(MAX_ROUNDS), str(TOLERANCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=430, env=cli_env(GLIBC_PIN),
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    # medians over the rounds (each timed step follows an untimed one of its kind: no separate warm-up round)
-    two, one, cf, no_sync, alone, sync = (statistics.median(got[k]) for k in
-                                          ("two_s", "one_s", "cf_s", "no_sync_s", "alone_s", "sync_s"))
-    broken = statistics.median(got["broken_s"])  # every round, as the honest probe: one load spike must not decide it
+    # means over the rounds, the estimator whose standard error decided how many rounds ran (each timed step
+    # follows an untimed one of its kind: no separate warm-up round)
+    two, one, cf, no_sync, alone, sync, broken = (statistics.fmean(got[k]) for k in
+                                                  ("two_s", "one_s", "cf_s", "no_sync_s", "alone_s", "sync_s",
+                                                   "broken_s"))
     measured = two - one
     assert measured > 0, got
-    detail = (f"two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; probe {cf:.4f} s (sync {sync:.4f} s, "
-              f"no_sync step {no_sync:.4f} s, alone step {alone:.4f} s); broken probe {broken:.4f} s; {got}")
-    # Issue #20's quarter. 30 launches of this worker on the quiet 2-vCPU machine (16 rounds, allocator pinned):
-    # 0.82-1.01, median 0.93; 6 with a busy loop on one of the two cores beside them: 0.97-1.05 (docs/doctor.md)
+    ratio, error = got["agreement"]
+    detail = (f"{len(got['two_s'])} rounds: two ranks {two:.4f} s - one rank {one:.4f} s = {measured:.4f} s; probe "
+              f"{cf:.4f} s (ratio {ratio:.3f} +- {error:.3f}; sync {sync:.4f} s, no_sync step {no_sync:.4f} s, alone "
+              f"step {alone:.4f} s); broken probe {broken:.4f} s; {got}")
+    # Issue #20's quarter. Means of this worker's rounds on the quiet 2-vCPU machine: 0.91-0.95 in 4 launches
+    # (16-19 rounds); beside two busy processes 0.94-1.00 in 6 (29-53 rounds). Fixed 16 rounds beside them, as
+    # before, ranged 0.74-1.08 and once failed (docs/doctor.md)
     assert 0.75 * measured <= cf <= 1.25 * measured, detail
-    # the fault: an alone probe that skips nothing attributes (almost) nothing, and this bound catches it
-    assert broken < 0.25 * measured, detail
+    # the fault: an alone probe that skips nothing attributes little (0.06-0.19 of the difference in those
+    # launches), and the same bound rejects it
+    assert broken < 0.75 * measured, detail
 
 
 @pytest.mark.timeout(300)
